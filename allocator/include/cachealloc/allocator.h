@@ -1,0 +1,463 @@
+// allocator.h: the per-device front end over any policy.
+//
+// DeviceAllocator is what every entry point (the PyTorch plugin, the LibTorch adapter, the
+// replay tool, the tests) talks to. CachingAllocator<P> implements it for a policy P: one
+// mutex per device, the pointer -> block map, statistics, deferral of frees that other streams
+// may still be using, and the out-of-memory retry chain.
+//
+// Note [Cross-stream frees]
+// A block allocated on stream A and also used on stream B (record_stream) may not be reused
+// until B's work queued before the free finished. On free the front end records one event on
+// each such stream and parks the block in `pending_`; the next allocate() (and the retry chain,
+// and empty_cache) polls those events and hands the block to the policy only when all of them
+// completed. So a policy never sees a block another stream may still touch: policies only ever
+// reason about the block's own stream (see policy.h, item 4).
+//
+// Note [Retry chain on out-of-memory]
+// 1. policy.allocate()                       -- cached block, or a new device reservation
+// 2. flush_pending(wait=true)                -- wait for parked cross-stream frees, retry
+// 3. policy.release_cached()                 -- give wholly free reservations back, retry
+// 4. throw OutOfMemory with requested/capacity/free/allocated/reserved-but-unallocated + hint
+// Each step is a separate member (try_allocate, flush_pending, release_and_retry), tested on its
+// own in tests/core.
+#pragma once
+
+#include <cachealloc/backend.h>
+#include <cachealloc/config.h>
+#include <cachealloc/errors.h>
+#include <cachealloc/pointer_map.h>
+#include <cachealloc/policy.h>
+#include <cachealloc/stats.h>
+#include <cachealloc/types.h>
+
+#include <cstddef>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace cachealloc {
+
+/// What a live allocation looks like from outside (for getBaseAllocation, snapshots, tests).
+struct AllocationInfo {
+  void* ptr = nullptr;
+  std::size_t requested = 0;
+  std::size_t block_size = 0;
+  StreamId stream = 0;
+};
+
+/// Something the front end tells observers (trace recording, memory_viz history).
+enum class AllocatorEvent : std::uint8_t { alloc, free_requested, free_completed, oom };
+using AllocatorObserver =
+    std::function<void(AllocatorEvent, std::uintptr_t addr, std::size_t size, StreamId stream)>;
+
+/// One device's allocator, whatever the policy. Thread-safe.
+class DeviceAllocator {
+ public:
+  virtual ~DeviceAllocator() = default;
+
+  /// A block of at least `bytes` usable on `stream`. bytes == 0 returns nullptr.
+  /// Throws OutOfMemory (after the retry chain) or DeviceError.
+  [[nodiscard]] virtual void* allocate(std::size_t bytes, StreamId stream) = 0;
+  /// Frees `ptr` (nullptr: no-op). Throws UsageError, before changing anything, when `ptr` is
+  /// not a live allocation of this allocator (double free, foreign pointer).
+  virtual void deallocate(void* ptr) = 0;
+  /// `ptr` is also used on `stream`: its free waits for work queued there (Note [Cross-stream frees]).
+  virtual void record_stream(void* ptr, StreamId stream) = 0;
+  /// Waits for parked frees and returns every wholly free reservation to the device.
+  virtual void empty_cache() = 0;
+  /// Limits reserved memory to fraction * total device memory (PyTorch semantics).
+  virtual void set_memory_fraction(double fraction) = 0;
+  [[nodiscard]] virtual double memory_fraction() const = 0;
+
+  [[nodiscard]] virtual Stats stats() const = 0;
+  virtual void reset_peak_stats() = 0;
+  virtual void reset_accumulated_stats() = 0;
+  /// Throws InvariantError when the policy or the front end is inconsistent.
+  virtual void check_invariants() const = 0;
+  [[nodiscard]] virtual std::optional<AllocationInfo> find(const void* ptr) const = 0;
+  /// Live allocations, parked frees and cached blocks as segments (empty if the policy cannot).
+  [[nodiscard]] virtual std::vector<SegmentView> segments() const = 0;
+  /// Number of frees parked waiting for other streams.
+  [[nodiscard]] virtual std::size_t pending_frees() const = 0;
+  virtual void set_observer(AllocatorObserver observer) = 0;
+
+  [[nodiscard]] virtual std::string_view policy_name() const noexcept = 0;
+  [[nodiscard]] virtual DeviceBackend& backend() noexcept = 0;
+  [[nodiscard]] virtual int device() const noexcept = 0;
+};
+
+/// Builds the out-of-memory message (PyTorch style) shared by every front end.
+std::string out_of_memory_message(int device, std::string_view policy, std::size_t requested,
+                                  const DeviceBackend& backend, const Stats& stats,
+                                  std::string_view hint);
+
+template <Policy P>
+class CachingAllocator final : public DeviceAllocator {
+ public:
+  /// Takes ownership of `backend`; the policy takes its keys from `config`.
+  CachingAllocator(std::unique_ptr<DeviceBackend> backend, Config& config)
+      : backend_(std::move(backend)), policy_(*backend_, config) {}
+
+  ~CachingAllocator() override {
+    // Give everything back: parked frees complete (the process is done with them), then caches.
+    try {
+      std::lock_guard lock(mutex_);
+      flush_pending(/*wait=*/true);
+      policy_.release_cached();
+    } catch (...) {  // NOLINT(bugprone-empty-catch): destructors must not throw
+    }
+  }
+
+  [[nodiscard]] void* allocate(std::size_t bytes, StreamId stream) override {
+    if (bytes == 0) {
+      return nullptr;
+    }
+    std::lock_guard lock(mutex_);
+    if (!pending_.empty()) {
+      flush_pending(/*wait=*/false);
+    }
+    Block block = try_allocate(bytes, stream);
+    if (!block) {
+      block = retry_allocate(bytes, stream);
+    }
+    map_.insert(reinterpret_cast<std::uintptr_t>(block.ptr),
+                Entry{block, bytes, stream, {}});
+    stats_.allocated_bytes.increase(static_cast<std::int64_t>(block.size));
+    stats_.requested_bytes.increase(static_cast<std::int64_t>(bytes));
+    stats_.active_bytes.increase(static_cast<std::int64_t>(block.size));
+    stats_.allocation.increase(1);
+    stats_.active.increase(1);
+    ++stats_.alloc_calls;
+    sync_reserved();
+    if (observer_) {
+      observer_(AllocatorEvent::alloc, reinterpret_cast<std::uintptr_t>(block.ptr), bytes, stream);
+    }
+    return block.ptr;
+  }
+
+  void deallocate(void* ptr) override {
+    if (ptr == nullptr) {
+      return;
+    }
+    std::lock_guard lock(mutex_);
+    const auto key = reinterpret_cast<std::uintptr_t>(ptr);
+    Entry* entry = map_.find(key);
+    if (entry == nullptr) {
+      ++stats_.usage_errors;
+      throw UsageError(unknown_pointer_message(ptr, "free"));
+    }
+    Entry e = std::move(*entry);
+    map_.erase(key);
+    ++stats_.free_calls;
+    stats_.allocated_bytes.decrease(static_cast<std::int64_t>(e.block.size));
+    stats_.requested_bytes.decrease(static_cast<std::int64_t>(e.requested));
+    stats_.allocation.decrease(1);
+    if (observer_) {
+      observer_(AllocatorEvent::free_requested, key, e.requested, e.stream);
+    }
+    if (e.other_streams.empty()) {
+      complete_free(e.block, e.requested, e.stream);
+    } else {
+      park(std::move(e));
+    }
+    sync_reserved();
+  }
+
+  void record_stream(void* ptr, StreamId stream) override {
+    std::lock_guard lock(mutex_);
+    Entry* entry = map_.find(reinterpret_cast<std::uintptr_t>(ptr));
+    if (entry == nullptr) {
+      ++stats_.usage_errors;
+      throw UsageError(unknown_pointer_message(ptr, "record_stream"));
+    }
+    if (stream == entry->stream) {
+      return;
+    }
+    for (StreamId s : entry->other_streams) {
+      if (s == stream) {
+        return;
+      }
+    }
+    entry->other_streams.push_back(stream);
+  }
+
+  void empty_cache() override {
+    std::lock_guard lock(mutex_);
+    flush_pending(/*wait=*/true);
+    policy_.release_cached();
+    sync_reserved();
+  }
+
+  void set_memory_fraction(double fraction) override {
+    if (!(fraction > 0.0 && fraction <= 1.0)) {
+      throw ConfigError("memory fraction must be in (0, 1], got " + std::to_string(fraction));
+    }
+    std::lock_guard lock(mutex_);
+    fraction_ = fraction;
+    backend_->set_limit(static_cast<std::size_t>(fraction * static_cast<double>(backend_->total_memory())));
+  }
+  [[nodiscard]] double memory_fraction() const override {
+    std::lock_guard lock(mutex_);
+    return fraction_;
+  }
+
+  [[nodiscard]] Stats stats() const override {
+    std::lock_guard lock(mutex_);
+    Stats s = stats_;
+    const BackendCounters& c = backend_->counters();
+    s.num_device_alloc = c.reserve_calls + c.physical_creates;
+    s.num_device_free = c.release_calls + c.physical_releases;
+    s.num_maps = c.map_calls;
+    s.num_unmaps = c.unmap_calls;
+    s.bytes_mapped = c.mapped_bytes;
+    s.bytes_unmapped = c.unmapped_bytes;
+    return s;
+  }
+  void reset_peak_stats() override {
+    std::lock_guard lock(mutex_);
+    for (Stat* s : all_stats()) {
+      s->reset_peak();
+    }
+  }
+  void reset_accumulated_stats() override {
+    std::lock_guard lock(mutex_);
+    for (Stat* s : all_stats()) {
+      s->reset_accumulated();
+    }
+    stats_.num_alloc_retries = stats_.num_ooms = stats_.num_sync_all_streams = 0;
+    stats_.alloc_calls = stats_.free_calls = 0;
+  }
+
+  void check_invariants() const override {
+    std::lock_guard lock(mutex_);
+    policy_.check_invariants();
+    std::size_t allocated = 0;
+    std::size_t requested = 0;
+    map_.for_each([&](std::uintptr_t key, const Entry& e) {
+      CACHEALLOC_CHECK_INVARIANT(reinterpret_cast<std::uintptr_t>(e.block.ptr) == key,
+                                 "pointer map key differs from its block");
+      CACHEALLOC_CHECK_INVARIANT(e.block.size >= e.requested, "block smaller than its request");
+      allocated += e.block.size;
+      requested += e.requested;
+    });
+    std::size_t parked = 0;
+    for (const Parked& p : pending_) {
+      parked += p.block.size;
+    }
+    CACHEALLOC_CHECK_INVARIANT(static_cast<std::int64_t>(allocated) == stats_.allocated_bytes.current,
+                               "allocated_bytes stat disagrees with the pointer map");
+    CACHEALLOC_CHECK_INVARIANT(static_cast<std::int64_t>(requested) == stats_.requested_bytes.current,
+                               "requested_bytes stat disagrees with the pointer map");
+    CACHEALLOC_CHECK_INVARIANT(
+        static_cast<std::int64_t>(allocated + parked) == stats_.active_bytes.current,
+        "active_bytes stat disagrees with live + parked blocks");
+    CACHEALLOC_CHECK_INVARIANT(
+        static_cast<std::int64_t>(policy_.reserved_bytes()) == stats_.reserved_bytes.current,
+        "reserved_bytes stat disagrees with the policy");
+    CACHEALLOC_CHECK_INVARIANT(allocated + parked <= policy_.reserved_bytes(),
+                               "more bytes handed out than reserved");
+  }
+
+  [[nodiscard]] std::optional<AllocationInfo> find(const void* ptr) const override {
+    std::lock_guard lock(mutex_);
+    const Entry* e = map_.find(reinterpret_cast<std::uintptr_t>(ptr));
+    if (e == nullptr) {
+      return std::nullopt;
+    }
+    return AllocationInfo{e->block.ptr, e->requested, e->block.size, e->stream};
+  }
+
+  [[nodiscard]] std::vector<SegmentView> segments() const override {
+    std::lock_guard lock(mutex_);
+    std::vector<SegmentView> out;
+    if constexpr (requires(const P& p) { p.visit_segments([](const SegmentView&) {}); }) {
+      policy_.visit_segments([&](const SegmentView& s) { out.push_back(s); });
+    }
+    return out;
+  }
+
+  [[nodiscard]] std::size_t pending_frees() const override {
+    std::lock_guard lock(mutex_);
+    return pending_.size();
+  }
+
+  void set_observer(AllocatorObserver observer) override {
+    std::lock_guard lock(mutex_);
+    observer_ = std::move(observer);
+  }
+
+  [[nodiscard]] std::string_view policy_name() const noexcept override { return P::kName; }
+  [[nodiscard]] DeviceBackend& backend() noexcept override { return *backend_; }
+  [[nodiscard]] int device() const noexcept override { return backend_->device(); }
+
+  /// The policy itself, for policy-specific tests (not thread-safe: hold no other calls).
+  [[nodiscard]] P& policy() noexcept { return policy_; }
+
+  // ---- the retry chain's steps (Note [Retry chain on out-of-memory]); caller holds mutex_ ----
+  Block try_allocate(std::size_t bytes, StreamId stream) { return policy_.allocate(bytes, stream); }
+
+  /// Hands parked frees whose events completed to the policy; with `wait`, waits for all.
+  void flush_pending(bool wait) {
+    std::exception_ptr first_error;
+    std::size_t kept = 0;
+    for (std::size_t i = 0; i < pending_.size(); ++i) {
+      Parked& p = pending_[i];
+      bool done = false;
+      try {
+        done = events_done(p, wait);
+      } catch (...) {  // a failed query/wait: keep the block parked, report after the loop
+        if (!first_error) {
+          first_error = std::current_exception();
+        }
+      }
+      if (done) {
+        complete_free(p.block, p.requested, p.stream);
+      } else {
+        if (kept != i) {
+          pending_[kept] = std::move(p);
+        }
+        ++kept;
+      }
+    }
+    pending_.resize(kept);
+    if (wait) {
+      ++stats_.num_sync_all_streams;
+      if (first_error) {
+        std::rethrow_exception(first_error);
+      }
+    }
+  }
+
+ private:
+  struct Entry {
+    Block block;
+    std::size_t requested;
+    StreamId stream;
+    std::vector<StreamId> other_streams;
+  };
+  struct Parked {
+    Block block;
+    std::size_t requested;
+    StreamId stream;
+    std::vector<StreamId> streams;  // the other streams that used the block
+    std::vector<EventId> events;    // events[i] recorded on streams[i]; 0 once completed
+    bool needs_events;              // some events could not be recorded yet
+  };
+
+  Block retry_allocate(std::size_t bytes, StreamId stream) {
+    ++stats_.num_alloc_retries;
+    if (!pending_.empty()) {
+      flush_pending(/*wait=*/true);
+      if (Block b = try_allocate(bytes, stream)) {
+        return b;
+      }
+    }
+    if (policy_.release_cached() > 0) {
+      sync_reserved();
+      if (Block b = try_allocate(bytes, stream)) {
+        return b;
+      }
+    }
+    ++stats_.num_ooms;
+    sync_reserved();
+    if (observer_) {
+      observer_(AllocatorEvent::oom, 0, bytes, stream);
+    }
+    std::string_view hint;
+    if constexpr (requires { P::oom_hint(); }) {
+      hint = P::oom_hint();
+    }
+    throw OutOfMemory(out_of_memory_message(backend_->device(), P::kName, bytes, *backend_, stats_, hint),
+                      bytes);
+  }
+
+  /// True when every stream that used `p` finished; with `wait`, waits for them.
+  bool events_done(Parked& p, bool wait) {
+    if (p.needs_events) {
+      record_events(p);
+      if (p.needs_events) {
+        return false;
+      }
+    }
+    for (EventId& ev : p.events) {
+      if (ev == 0) {
+        continue;
+      }
+      if (wait) {
+        backend_->synchronize_event(ev);
+      } else if (!backend_->query_event(ev)) {
+        return false;
+      }
+      backend_->destroy_event(ev);
+      ev = 0;
+    }
+    return true;
+  }
+
+  void complete_free(Block block, std::size_t requested, StreamId stream) {
+    stats_.active_bytes.decrease(static_cast<std::int64_t>(block.size));
+    stats_.active.decrease(1);
+    policy_.deallocate(block, stream);
+    if (observer_) {
+      observer_(AllocatorEvent::free_completed, reinterpret_cast<std::uintptr_t>(block.ptr), requested,
+                stream);
+    }
+  }
+
+  /// Parks a freed block until every other stream that used it is done with it. Never throws:
+  /// when an event cannot be recorded, the block stays parked with `needs_events` set and the
+  /// next flush records the events again (a waiting flush retries until it succeeds), so a
+  /// failing event call costs memory for a while, never safety.
+  void park(Entry&& e) noexcept {
+    Parked p{e.block, e.requested, e.stream, std::move(e.other_streams), {}, false};
+    record_events(p);
+    pending_.push_back(std::move(p));
+  }
+
+  void record_events(Parked& p) noexcept {
+    p.needs_events = false;
+    try {
+      p.events.reserve(p.streams.size());
+      for (std::size_t i = p.events.size(); i < p.streams.size(); ++i) {
+        p.events.push_back(backend_->record_event(p.streams[i]));
+      }
+    } catch (...) {  // DeviceError or bad_alloc: retried at the next flush
+      p.needs_events = true;
+    }
+  }
+
+  void sync_reserved() noexcept {
+    stats_.reserved_bytes.set(static_cast<std::int64_t>(policy_.reserved_bytes()));
+  }
+
+  std::vector<Stat*> all_stats() {
+    return {&stats_.allocated_bytes, &stats_.requested_bytes, &stats_.active_bytes,
+            &stats_.reserved_bytes, &stats_.allocation, &stats_.active};
+  }
+
+  std::string unknown_pointer_message(const void* ptr, std::string_view what) const;
+
+  mutable std::mutex mutex_;
+  std::unique_ptr<DeviceBackend> backend_;
+  P policy_;
+  PointerMap<Entry> map_;
+  std::vector<Parked> pending_;
+  Stats stats_;
+  double fraction_ = 1.0;
+  AllocatorObserver observer_;
+};
+
+std::string unknown_pointer_text(const void* ptr, std::string_view what, int device,
+                                 std::string_view policy);
+
+template <Policy P>
+std::string CachingAllocator<P>::unknown_pointer_message(const void* ptr, std::string_view what) const {
+  return unknown_pointer_text(ptr, what, backend_->device(), P::kName);
+}
+
+}  // namespace cachealloc

@@ -1,0 +1,143 @@
+// backend.h: the device-backend contract, the only way a policy reaches a device.
+//
+// A backend owns one device's raw memory calls, its events and (optionally) its virtual-memory
+// calls. Implementations: SimBackend (sim_backend.h: deterministic, GPU-free, fault injection),
+// CudaRuntimeBackend (cudaMalloc + events), CudaVmmBackend (cuMemCreate/cuMemMap), and the
+// stream-ordered pool backend (cudaMallocAsync on a private cudaMemPool_t).
+//
+// Note [Why a virtual interface and not a template parameter]
+// Every backend call costs microseconds on a real device (cudaMalloc ~90 us, cuMemMap ~55 us,
+// cudaEventRecord ~2 us), so one indirect call is noise; policies, whose fast path is a few
+// dozen instructions, are the part checked with a C++20 concept and called without virtual
+// dispatch by the front end. A virtual backend lets the replay tool pick sim or cuda at run
+// time without instantiating every policy for every backend.
+//
+// Note [Accounting and limits live in the base class]
+// The public entry points (reserve, release, create_physical, ...) are non-virtual: they count
+// calls and bytes, enforce the memory-fraction limit, and then call the do_* hooks. So every
+// backend is counted and limited the same way, and a backend cannot forget either.
+#pragma once
+
+#include <cachealloc/types.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <string_view>
+
+namespace cachealloc {
+
+/// Counters every backend keeps (read by stats and the replay table).
+struct BackendCounters {
+  std::uint64_t reserve_calls = 0;       ///< successful reserve() (cudaMalloc-like) calls
+  std::uint64_t release_calls = 0;       ///< release() calls
+  std::uint64_t failed_reserves = 0;     ///< reserve()/create_physical() that found no memory
+  std::uint64_t physical_creates = 0;    ///< create_physical() successes (cuMemCreate)
+  std::uint64_t physical_releases = 0;   ///< release_physical() calls (cuMemRelease)
+  std::uint64_t map_calls = 0;           ///< map() calls (cuMemMap + cuMemSetAccess)
+  std::uint64_t unmap_calls = 0;         ///< unmap() calls (cuMemUnmap)
+  std::uint64_t mapped_bytes = 0;        ///< bytes passed to map(), cumulative
+  std::uint64_t unmapped_bytes = 0;      ///< bytes passed to unmap(), cumulative
+  std::uint64_t events_recorded = 0;     ///< record_event() calls
+};
+
+/// Optional virtual-memory half of a backend (CUDA VMM: cuMemAddressReserve/cuMemCreate/cuMemMap).
+/// Preconditions are the driver's: addresses and sizes are multiples of granularity().
+class VirtualMemory {
+ public:
+  virtual ~VirtualMemory() = default;
+  /// The physical page size (cuMemGetAllocationGranularity); 2 MiB on the H200.
+  [[nodiscard]] virtual std::size_t granularity() const noexcept = 0;
+  /// Reserves `bytes` of address space (no memory behind it). Throws DeviceError on failure.
+  [[nodiscard]] virtual std::uintptr_t reserve_address(std::size_t bytes) = 0;
+  virtual void free_address(std::uintptr_t va, std::size_t bytes) noexcept = 0;
+  /// Physical memory of `bytes` (a multiple of granularity). Returns 0 when the device is out of
+  /// memory or over the limit; throws DeviceError on other failures.
+  [[nodiscard]] PhysicalHandle create_physical(std::size_t bytes);
+  void release_physical(PhysicalHandle handle, std::size_t bytes) noexcept;
+  /// Maps all of `handle` (of `bytes`) at `va` and makes it readable/writable by the device.
+  void map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle);
+  void unmap(std::uintptr_t va, std::size_t bytes);
+
+  [[nodiscard]] std::size_t physical_bytes() const noexcept { return physical_bytes_; }
+
+ protected:
+  friend class DeviceBackend;
+  [[nodiscard]] virtual PhysicalHandle do_create_physical(std::size_t bytes) = 0;
+  virtual void do_release_physical(PhysicalHandle handle) noexcept = 0;
+  virtual void do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) = 0;
+  virtual void do_unmap(std::uintptr_t va, std::size_t bytes) = 0;
+
+ private:
+  class DeviceBackend* owner_ = nullptr;
+  std::size_t physical_bytes_ = 0;
+};
+
+/// One device's memory and event calls. Not thread-safe: the front end serialises calls.
+class DeviceBackend {
+ public:
+  virtual ~DeviceBackend() = default;
+  DeviceBackend() = default;
+  DeviceBackend(const DeviceBackend&) = delete;
+  DeviceBackend& operator=(const DeviceBackend&) = delete;
+
+  [[nodiscard]] virtual std::string_view name() const noexcept = 0;
+  [[nodiscard]] virtual int device() const noexcept = 0;
+
+  // ---- memory (cudaMalloc / cudaFree) ----
+  /// Returns nullptr when the device is out of memory or the limit would be exceeded;
+  /// throws DeviceError for any other failure.
+  [[nodiscard]] void* reserve(std::size_t bytes);
+  void release(void* ptr, std::size_t bytes) noexcept;
+
+  /// Total device memory (cudaMemGetInfo's total) and what the device reports free now.
+  [[nodiscard]] virtual std::size_t total_memory() const = 0;
+  [[nodiscard]] virtual std::size_t free_memory() const = 0;
+
+  // ---- streams and events ----
+  /// Records an event on `stream` (from a pool; cheap to call often). Throws DeviceError.
+  [[nodiscard]] virtual EventId record_event(StreamId stream) = 0;
+  /// True when all work on the stream before the event has finished. Throws DeviceError.
+  [[nodiscard]] virtual bool query_event(EventId event) = 0;
+  /// Blocks until the event completed. Throws DeviceError.
+  virtual void synchronize_event(EventId event) = 0;
+  /// Returns the event to the pool.
+  virtual void destroy_event(EventId event) noexcept = 0;
+
+  /// The virtual-memory half, or nullptr when this backend has none.
+  [[nodiscard]] virtual VirtualMemory* virtual_memory() noexcept { return nullptr; }
+
+  // ---- limits and counters (not virtual: Note [Accounting and limits live in the base class]) ----
+  /// Upper bound on reserved + physical bytes; default: unlimited (the device decides).
+  void set_limit(std::size_t bytes) noexcept { limit_ = bytes; }
+  [[nodiscard]] std::size_t limit() const noexcept { return limit_; }
+  /// The limit, or the device total when no limit is set: the memory policies may plan with.
+  [[nodiscard]] std::size_t usable_memory() const {
+    return limit_ == kNoLimit ? total_memory() : limit_;
+  }
+  /// Bytes currently held through reserve() plus VirtualMemory::create_physical().
+  [[nodiscard]] std::size_t held_bytes() const noexcept { return held_bytes_; }
+  [[nodiscard]] const BackendCounters& counters() const noexcept { return counters_; }
+  BackendCounters& mutable_counters() noexcept { return counters_; }
+
+  static constexpr std::size_t kNoLimit = std::numeric_limits<std::size_t>::max();
+
+ protected:
+  [[nodiscard]] virtual void* do_reserve(std::size_t bytes) = 0;
+  virtual void do_release(void* ptr, std::size_t bytes) noexcept = 0;
+  /// Backends with virtual memory call this once from their constructor.
+  void attach(VirtualMemory& vm) noexcept { vm.owner_ = this; }
+
+ private:
+  friend class VirtualMemory;
+  [[nodiscard]] bool within_limit(std::size_t more) const noexcept {
+    return limit_ == kNoLimit || (held_bytes_ <= limit_ && more <= limit_ - held_bytes_);
+  }
+
+  std::size_t limit_ = kNoLimit;
+  std::size_t held_bytes_ = 0;
+  BackendCounters counters_;
+};
+
+}  // namespace cachealloc

@@ -1,0 +1,160 @@
+// sim_backend.h: a simulated device for GPU-free tests and replays.
+//
+// Deterministic fake address space (the same calls give the same addresses on every machine),
+// a capacity, fake streams and events that complete only when the caller says so, a
+// simulated virtual-memory twin that models address ranges and physical pages exactly, and
+// fault injection (fail the k-th device call, or the next call of a kind).
+//
+// Note [Simulated events]
+// An event recorded on a stream is pending until one of:
+//   complete_stream(s)  -- all work on s so far finished (what a test says after a "kernel")
+//   complete_all()      -- the device went idle
+//   tick()              -- everything not on a held stream finished; replays call it between
+//                          trace entries, so the device "keeps up" except where the trace says
+//                          a stream was still busy (hold_stream / release_stream)
+//   set_auto_complete(true) -- events are complete as soon as they are recorded
+// synchronize_event() completes the event (and everything before it on its stream), as a real
+// cudaEventSynchronize would return only once that work finished. release() completes every
+// stream, because cudaFree synchronizes the whole device before it returns (VMM unmap does not).
+#pragma once
+
+#include <cachealloc/backend.h>
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+namespace cachealloc {
+
+/// The device calls the simulator counts and can fail.
+enum class SimCall : std::uint8_t {
+  reserve,
+  create_physical,
+  map,
+  unmap,
+  record_event,
+  query_event,
+  synchronize_event,
+};
+std::string_view to_string(SimCall call) noexcept;
+
+/// How an injected fault shows itself.
+enum class SimFault : std::uint8_t {
+  out_of_memory,  ///< reserve/create_physical find no memory (other calls: device_error)
+  device_error,   ///< the call throws DeviceError
+};
+
+struct SimOptions {
+  int device = 0;
+  std::size_t capacity = std::size_t{143771} * kMiB;  ///< an H200's cudaMemGetInfo total
+  std::size_t granularity = 2 * kMiB;                 ///< VMM page size
+  bool auto_complete_events = false;
+};
+
+class SimBackend final : public DeviceBackend, private VirtualMemory {
+ public:
+  explicit SimBackend(SimOptions options = {});
+  ~SimBackend() override;
+
+  [[nodiscard]] std::string_view name() const noexcept override { return "sim"; }
+  [[nodiscard]] int device() const noexcept override { return options_.device; }
+  [[nodiscard]] std::size_t total_memory() const override { return options_.capacity; }
+  [[nodiscard]] std::size_t free_memory() const override;
+
+  [[nodiscard]] EventId record_event(StreamId stream) override;
+  [[nodiscard]] bool query_event(EventId event) override;
+  void synchronize_event(EventId event) override;
+  void destroy_event(EventId event) noexcept override;
+
+  [[nodiscard]] VirtualMemory* virtual_memory() noexcept override { return this; }
+
+  // ---- driving the fake device ----
+  void complete_stream(StreamId stream);
+  void complete_all();
+  void tick();
+  void hold_stream(StreamId stream);
+  /// Un-holds `stream`, completes its events and forgets it (replays use one stream per delayed free).
+  void release_stream(StreamId stream);
+  void set_auto_complete(bool on) noexcept { options_.auto_complete_events = on; }
+  [[nodiscard]] std::size_t pending_events() const;
+  [[nodiscard]] std::size_t live_events() const noexcept { return events_.size(); }
+  /// Events recorded on `stream` so far, and how many of them completed (in stream order).
+  [[nodiscard]] std::uint64_t stream_recorded(StreamId stream) const;
+  [[nodiscard]] std::uint64_t stream_completed(StreamId stream) const;
+
+  // ---- fault injection ----
+  /// The k-th counted device call from now (1 = the next one) fails with `fault`.
+  void fail_call(std::uint64_t k, SimFault fault = SimFault::out_of_memory);
+  /// The next call of `kind` fails with `fault`.
+  void fail_next(SimCall kind, SimFault fault = SimFault::out_of_memory);
+  void clear_faults() noexcept;
+  /// Counted device calls so far (all SimCall kinds).
+  [[nodiscard]] std::uint64_t device_calls() const noexcept { return calls_; }
+  [[nodiscard]] std::uint64_t injected_faults() const noexcept { return injected_; }
+
+  // ---- inspection for invariant checks ----
+  [[nodiscard]] std::size_t live_reservations() const noexcept { return reservations_.size(); }
+  [[nodiscard]] std::size_t live_physical() const noexcept { return physical_.size(); }
+  [[nodiscard]] std::size_t mapped_bytes_now() const noexcept { return mapped_now_; }
+  /// True when [va, va+bytes) lies fully inside mapped pages.
+  [[nodiscard]] bool is_mapped(std::uintptr_t va, std::size_t bytes) const;
+
+ private:
+  // DeviceBackend hooks
+  [[nodiscard]] void* do_reserve(std::size_t bytes) override;
+  void do_release(void* ptr, std::size_t bytes) noexcept override;
+  // VirtualMemory hooks
+  [[nodiscard]] std::size_t granularity() const noexcept override { return options_.granularity; }
+  [[nodiscard]] std::uintptr_t reserve_address(std::size_t bytes) override;
+  void free_address(std::uintptr_t va, std::size_t bytes) noexcept override;
+  [[nodiscard]] PhysicalHandle do_create_physical(std::size_t bytes) override;
+  void do_release_physical(PhysicalHandle handle) noexcept override;
+  void do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) override;
+  void do_unmap(std::uintptr_t va, std::size_t bytes) override;
+
+  /// Counts a call; returns the fault to inject, if any.
+  std::optional<SimFault> count_call(SimCall kind);
+  void maybe_throw(SimCall kind);
+  std::uintptr_t take_range(std::map<std::uintptr_t, std::size_t>& free_ranges,
+                            std::uintptr_t& bump, std::size_t bytes, std::size_t alignment);
+
+  struct Event {
+    StreamId stream;
+    std::uint64_t sequence;  // per-stream order
+    bool done;
+  };
+
+  SimOptions options_;
+  // address space: reservations (cudaMalloc) and VMM address ranges live in separate regions
+  std::uintptr_t bump_ = 0x7f0000000000;
+  std::uintptr_t va_bump_ = 0x600000000000;
+  std::map<std::uintptr_t, std::size_t> free_ranges_;
+  std::map<std::uintptr_t, std::size_t> free_va_ranges_;
+  std::unordered_map<std::uintptr_t, std::size_t> reservations_;
+  std::map<std::uintptr_t, std::size_t> va_reservations_;
+  struct Physical {
+    std::size_t bytes;
+    int mappings;
+  };
+  std::unordered_map<PhysicalHandle, Physical> physical_;
+  PhysicalHandle next_handle_ = 1;
+  std::map<std::uintptr_t, std::pair<std::size_t, PhysicalHandle>> mappings_;  // va -> (bytes, handle)
+  std::size_t mapped_now_ = 0;
+  // events
+  std::unordered_map<EventId, Event> events_;
+  std::unordered_map<StreamId, std::uint64_t> stream_completed_upto_;  // completed sequence per stream
+  std::unordered_map<StreamId, std::uint64_t> stream_recorded_;        // last sequence per stream
+  std::unordered_set<StreamId> held_;
+  EventId next_event_ = 1;
+  // faults
+  std::uint64_t calls_ = 0;
+  std::uint64_t fail_at_ = 0;  // absolute call number, 0 = none
+  SimFault fail_at_fault_ = SimFault::out_of_memory;
+  std::optional<std::pair<SimCall, SimFault>> fail_next_;
+  std::uint64_t injected_ = 0;
+};
+
+}  // namespace cachealloc

@@ -1,0 +1,66 @@
+// stats.h: the statistics the front end keeps, named as torch.cuda.memory_stats() names them.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <string>
+
+namespace cachealloc {
+
+/// current / peak / cumulative, as one entry of PyTorch's stats ("allocated_bytes.all.*").
+struct Stat {
+  std::int64_t current = 0;
+  std::int64_t peak = 0;
+  std::int64_t allocated = 0;  ///< cumulative increases
+  std::int64_t freed = 0;      ///< cumulative decreases
+
+  void increase(std::int64_t n) noexcept {
+    current += n;
+    allocated += n;
+    peak = std::max(peak, current);
+  }
+  void decrease(std::int64_t n) noexcept {
+    current -= n;
+    freed += n;
+  }
+  /// Sets current to `value`, counting the difference as an increase or a decrease.
+  void set(std::int64_t value) noexcept {
+    if (value >= current) {
+      increase(value - current);
+    } else {
+      decrease(current - value);
+    }
+  }
+  void reset_peak() noexcept { peak = current; }
+  void reset_accumulated() noexcept { allocated = freed = 0; }
+};
+
+struct Stats {
+  Stat allocated_bytes;  ///< bytes in blocks handed out (rounded, as the policy set aside)
+  Stat requested_bytes;  ///< bytes the callers asked for
+  Stat active_bytes;     ///< allocated + freed blocks still waiting for other streams
+  Stat reserved_bytes;   ///< device memory held by the policy
+  Stat allocation;       ///< number of live allocations
+  Stat active;           ///< number of live + pending blocks
+
+  std::uint64_t num_alloc_retries = 0;  ///< allocations that needed the retry chain
+  std::uint64_t num_ooms = 0;           ///< allocations that failed with OutOfMemory
+  std::uint64_t num_device_alloc = 0;   ///< device reservations (cudaMalloc / cuMemCreate)
+  std::uint64_t num_device_free = 0;    ///< device releases (cudaFree / cuMemRelease)
+  std::uint64_t num_maps = 0;           ///< cuMemMap calls
+  std::uint64_t num_unmaps = 0;         ///< cuMemUnmap calls
+  std::uint64_t bytes_mapped = 0;       ///< bytes mapped, cumulative
+  std::uint64_t bytes_unmapped = 0;     ///< bytes unmapped, cumulative
+  std::uint64_t num_sync_all_streams = 0;  ///< event waits forced by the retry chain / empty_cache
+  std::uint64_t usage_errors = 0;       ///< rejected double frees / foreign pointers
+  std::uint64_t alloc_ns = 0;           ///< time inside allocate() when timing is on
+  std::uint64_t free_ns = 0;            ///< time inside deallocate() when timing is on
+  std::uint64_t alloc_calls = 0;
+  std::uint64_t free_calls = 0;
+
+  /// Flat "key -> value" map with torch.cuda.memory_stats() key names.
+  [[nodiscard]] std::map<std::string, std::int64_t> to_map() const;
+};
+
+}  // namespace cachealloc

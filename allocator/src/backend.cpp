@@ -1,0 +1,64 @@
+// backend.cpp: the non-virtual half of the backend contract: counting and limits.
+#include <cachealloc/backend.h>
+
+namespace cachealloc {
+
+void* DeviceBackend::reserve(std::size_t bytes) {
+  if (!within_limit(bytes)) {
+    ++counters_.failed_reserves;
+    return nullptr;
+  }
+  void* ptr = do_reserve(bytes);
+  if (ptr == nullptr) {
+    ++counters_.failed_reserves;
+    return nullptr;
+  }
+  ++counters_.reserve_calls;
+  held_bytes_ += bytes;
+  return ptr;
+}
+
+void DeviceBackend::release(void* ptr, std::size_t bytes) noexcept {
+  do_release(ptr, bytes);
+  ++counters_.release_calls;
+  held_bytes_ -= bytes;
+}
+
+PhysicalHandle VirtualMemory::create_physical(std::size_t bytes) {
+  DeviceBackend& b = *owner_;
+  if (!b.within_limit(bytes)) {
+    ++b.counters_.failed_reserves;
+    return 0;
+  }
+  const PhysicalHandle h = do_create_physical(bytes);
+  if (h == 0) {
+    ++b.counters_.failed_reserves;
+    return 0;
+  }
+  ++b.counters_.physical_creates;
+  b.held_bytes_ += bytes;
+  physical_bytes_ += bytes;
+  return h;
+}
+
+void VirtualMemory::release_physical(PhysicalHandle handle, std::size_t bytes) noexcept {
+  DeviceBackend& b = *owner_;
+  do_release_physical(handle);
+  ++b.counters_.physical_releases;
+  b.held_bytes_ -= bytes;
+  physical_bytes_ -= bytes;
+}
+
+void VirtualMemory::map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) {
+  do_map(va, bytes, handle);
+  ++owner_->counters_.map_calls;
+  owner_->counters_.mapped_bytes += bytes;
+}
+
+void VirtualMemory::unmap(std::uintptr_t va, std::size_t bytes) {
+  do_unmap(va, bytes);
+  ++owner_->counters_.unmap_calls;
+  owner_->counters_.unmapped_bytes += bytes;
+}
+
+}  // namespace cachealloc

@@ -1,0 +1,345 @@
+// sim_backend.cpp: the simulated device (see sim_backend.h).
+#include <cachealloc/errors.h>
+#include <cachealloc/sim_backend.h>
+
+#include <string>
+
+namespace cachealloc {
+
+std::string_view to_string(SimCall call) noexcept {
+  switch (call) {
+    case SimCall::reserve: return "reserve";
+    case SimCall::create_physical: return "create_physical";
+    case SimCall::map: return "map";
+    case SimCall::unmap: return "unmap";
+    case SimCall::record_event: return "record_event";
+    case SimCall::query_event: return "query_event";
+    case SimCall::synchronize_event: return "synchronize_event";
+  }
+  return "?";
+}
+
+SimBackend::SimBackend(SimOptions options) : options_(options) {
+  if (options_.granularity == 0 || (options_.granularity & (options_.granularity - 1)) != 0) {
+    throw ConfigError("simulated granularity must be a power of two, got " +
+                      std::to_string(options_.granularity));
+  }
+  attach(*this);
+}
+
+SimBackend::~SimBackend() = default;
+
+std::size_t SimBackend::free_memory() const {
+  return held_bytes() >= options_.capacity ? 0 : options_.capacity - held_bytes();
+}
+
+std::optional<SimFault> SimBackend::count_call(SimCall kind) {
+  ++calls_;
+  if (fail_at_ != 0 && calls_ == fail_at_) {
+    fail_at_ = 0;
+    ++injected_;
+    return fail_at_fault_;
+  }
+  if (fail_next_ && fail_next_->first == kind) {
+    const SimFault f = fail_next_->second;
+    fail_next_.reset();
+    ++injected_;
+    return f;
+  }
+  return std::nullopt;
+}
+
+void SimBackend::maybe_throw(SimCall kind) {
+  if (count_call(kind)) {
+    throw DeviceError("simulated device: injected failure in " + std::string(to_string(kind)) +
+                      " (call " + std::to_string(calls_) + ")");
+  }
+}
+
+void SimBackend::fail_call(std::uint64_t k, SimFault fault) {
+  fail_at_ = k == 0 ? 0 : calls_ + k;
+  fail_at_fault_ = fault;
+}
+
+void SimBackend::fail_next(SimCall kind, SimFault fault) { fail_next_ = {{kind, fault}}; }
+
+void SimBackend::clear_faults() noexcept {
+  fail_at_ = 0;
+  fail_next_.reset();
+}
+
+std::uintptr_t SimBackend::take_range(std::map<std::uintptr_t, std::size_t>& free_ranges,
+                                      std::uintptr_t& bump, std::size_t bytes,
+                                      std::size_t alignment) {
+  // First fit among ranges given back, so addresses are reused deterministically.
+  for (auto it = free_ranges.begin(); it != free_ranges.end(); ++it) {
+    if (it->second >= bytes) {
+      const std::uintptr_t addr = it->first;
+      const std::size_t rest = it->second - bytes;
+      free_ranges.erase(it);
+      if (rest > 0) {
+        free_ranges.emplace(addr + bytes, rest);
+      }
+      return addr;
+    }
+  }
+  const std::uintptr_t addr = bump;
+  bump += round_up(bytes, alignment);
+  return addr;
+}
+
+namespace {
+void give_back_range(std::map<std::uintptr_t, std::size_t>& free_ranges, std::uintptr_t addr,
+                     std::size_t bytes) {
+  auto [it, inserted] = free_ranges.emplace(addr, bytes);
+  (void)inserted;
+  // Coalesce with neighbours.
+  if (auto next = std::next(it); next != free_ranges.end() && it->first + it->second == next->first) {
+    it->second += next->second;
+    free_ranges.erase(next);
+  }
+  if (it != free_ranges.begin()) {
+    auto prev = std::prev(it);
+    if (prev->first + prev->second == it->first) {
+      prev->second += it->second;
+      free_ranges.erase(it);
+    }
+  }
+}
+}  // namespace
+
+void* SimBackend::do_reserve(std::size_t bytes) {
+  if (auto fault = count_call(SimCall::reserve)) {
+    if (*fault == SimFault::device_error) {
+      throw DeviceError("simulated device: injected failure in reserve (call " +
+                        std::to_string(calls_) + ")");
+    }
+    return nullptr;
+  }
+  if (bytes == 0 || bytes > free_memory()) {
+    return nullptr;
+  }
+  const std::size_t rounded = round_up(bytes, 2 * kMiB);
+  const std::uintptr_t addr = take_range(free_ranges_, bump_, rounded, 2 * kMiB);
+  reservations_.emplace(addr, rounded);
+  return reinterpret_cast<void*>(addr);
+}
+
+void SimBackend::do_release(void* ptr, std::size_t /*bytes*/) noexcept {
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  auto it = reservations_.find(addr);
+  if (it == reservations_.end()) {
+    return;  // tests check live_reservations(); a foreign release shows up there
+  }
+  give_back_range(free_ranges_, addr, it->second);
+  reservations_.erase(it);
+  // cudaFree synchronizes the device before it returns: all queued work has finished.
+  complete_all();
+}
+
+std::uintptr_t SimBackend::reserve_address(std::size_t bytes) {
+  if (bytes == 0 || bytes % options_.granularity != 0) {
+    throw DeviceError("simulated device: reserve_address size " + std::to_string(bytes) +
+                      " is not a positive multiple of the granularity");
+  }
+  const std::uintptr_t va = take_range(free_va_ranges_, va_bump_, bytes, options_.granularity);
+  va_reservations_.emplace(va, bytes);
+  return va;
+}
+
+void SimBackend::free_address(std::uintptr_t va, std::size_t bytes) noexcept {
+  auto it = va_reservations_.find(va);
+  if (it == va_reservations_.end()) {
+    return;
+  }
+  give_back_range(free_va_ranges_, va, bytes);
+  va_reservations_.erase(it);
+}
+
+PhysicalHandle SimBackend::do_create_physical(std::size_t bytes) {
+  if (auto fault = count_call(SimCall::create_physical)) {
+    if (*fault == SimFault::device_error) {
+      throw DeviceError("simulated device: injected failure in create_physical (call " +
+                        std::to_string(calls_) + ")");
+    }
+    return 0;
+  }
+  if (bytes == 0 || bytes % options_.granularity != 0) {
+    throw DeviceError("simulated device: create_physical size " + std::to_string(bytes) +
+                      " is not a positive multiple of the granularity");
+  }
+  if (bytes > free_memory()) {
+    return 0;
+  }
+  const PhysicalHandle h = next_handle_++;
+  physical_.emplace(h, Physical{bytes, 0});
+  return h;
+}
+
+void SimBackend::do_release_physical(PhysicalHandle handle) noexcept { physical_.erase(handle); }
+
+void SimBackend::do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) {
+  maybe_throw(SimCall::map);
+  auto ph = physical_.find(handle);
+  if (ph == physical_.end() || ph->second.bytes != bytes) {
+    throw DeviceError("simulated device: map of an unknown handle or with a size other than the "
+                      "handle's");
+  }
+  if (va % options_.granularity != 0) {
+    throw DeviceError("simulated device: map address is not aligned to the granularity");
+  }
+  // The range must lie inside one address reservation and overlap no mapping.
+  auto res = va_reservations_.upper_bound(va);
+  if (res == va_reservations_.begin() || std::prev(res)->first + std::prev(res)->second < va + bytes) {
+    throw DeviceError("simulated device: map outside any reserved address range");
+  }
+  auto next = mappings_.lower_bound(va);
+  if (next != mappings_.end() && next->first < va + bytes) {
+    throw DeviceError("simulated device: map over an existing mapping");
+  }
+  if (next != mappings_.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second.first > va) {
+      throw DeviceError("simulated device: map over an existing mapping");
+    }
+  }
+  mappings_.emplace(va, std::make_pair(bytes, handle));
+  ++ph->second.mappings;
+  mapped_now_ += bytes;
+}
+
+void SimBackend::do_unmap(std::uintptr_t va, std::size_t bytes) {
+  maybe_throw(SimCall::unmap);
+  // Unmap whole mappings covering exactly [va, va+bytes).
+  std::uintptr_t cur = va;
+  const std::uintptr_t end = va + bytes;
+  auto it = mappings_.find(va);
+  if (it == mappings_.end()) {
+    throw DeviceError("simulated device: unmap of an address that starts no mapping");
+  }
+  while (cur < end) {
+    if (it == mappings_.end() || it->first != cur || cur + it->second.first > end) {
+      throw DeviceError("simulated device: unmap range does not cover whole mappings");
+    }
+    cur += it->second.first;
+    ++it;
+  }
+  for (auto m = mappings_.find(va); m != mappings_.end() && m->first < end;) {
+    if (auto ph = physical_.find(m->second.second); ph != physical_.end()) {
+      --ph->second.mappings;
+    }
+    mapped_now_ -= m->second.first;
+    m = mappings_.erase(m);
+  }
+}
+
+bool SimBackend::is_mapped(std::uintptr_t va, std::size_t bytes) const {
+  std::uintptr_t cur = va;
+  const std::uintptr_t end = va + bytes;
+  auto it = mappings_.upper_bound(cur);
+  if (it == mappings_.begin()) {
+    return false;
+  }
+  --it;
+  while (cur < end) {
+    if (it == mappings_.end() || it->first > cur || it->first + it->second.first <= cur) {
+      return false;
+    }
+    cur = it->first + it->second.first;
+    ++it;
+  }
+  return true;
+}
+
+EventId SimBackend::record_event(StreamId stream) {
+  maybe_throw(SimCall::record_event);
+  ++mutable_counters().events_recorded;
+  const std::uint64_t seq = ++stream_recorded_[stream];
+  const EventId id = next_event_++;
+  events_.emplace(id, Event{stream, seq, false});
+  if (options_.auto_complete_events) {
+    stream_completed_upto_[stream] = seq;
+  }
+  return id;
+}
+
+bool SimBackend::query_event(EventId event) {
+  maybe_throw(SimCall::query_event);
+  auto it = events_.find(event);
+  if (it == events_.end()) {
+    throw DeviceError("simulated device: query of an unknown event " + std::to_string(event));
+  }
+  return it->second.done || it->second.sequence <= stream_completed_upto_[it->second.stream];
+}
+
+std::size_t SimBackend::pending_events() const {
+  std::size_t n = 0;
+  for (const auto& [id, ev] : events_) {
+    auto done = stream_completed_upto_.find(ev.stream);
+    if (!ev.done && (done == stream_completed_upto_.end() || done->second < ev.sequence)) {
+      ++n;
+    }
+  }
+  return n;
+}
+
+void SimBackend::synchronize_event(EventId event) {
+  maybe_throw(SimCall::synchronize_event);
+  auto it = events_.find(event);
+  if (it == events_.end()) {
+    throw DeviceError("simulated device: synchronize of an unknown event " + std::to_string(event));
+  }
+  if (it->second.done) {
+    return;
+  }
+  it->second.done = true;
+  std::uint64_t& done = stream_completed_upto_[it->second.stream];
+  if (done < it->second.sequence) {
+    done = it->second.sequence;
+  }
+}
+
+void SimBackend::destroy_event(EventId event) noexcept { events_.erase(event); }
+
+std::uint64_t SimBackend::stream_recorded(StreamId stream) const {
+  auto it = stream_recorded_.find(stream);
+  return it == stream_recorded_.end() ? 0 : it->second;
+}
+
+std::uint64_t SimBackend::stream_completed(StreamId stream) const {
+  auto it = stream_completed_upto_.find(stream);
+  return it == stream_completed_upto_.end() ? 0 : it->second;
+}
+
+void SimBackend::complete_stream(StreamId stream) {
+  stream_completed_upto_[stream] = stream_recorded_[stream];
+}
+
+void SimBackend::complete_all() {
+  for (auto& [stream, seq] : stream_recorded_) {
+    stream_completed_upto_[stream] = seq;
+  }
+}
+
+void SimBackend::tick() {
+  for (auto& [stream, seq] : stream_recorded_) {
+    if (!held_.contains(stream)) {
+      stream_completed_upto_[stream] = seq;
+    }
+  }
+}
+
+void SimBackend::hold_stream(StreamId stream) { held_.insert(stream); }
+
+void SimBackend::release_stream(StreamId stream) {
+  held_.erase(stream);
+  for (auto& [id, ev] : events_) {
+    if (ev.stream == stream) {
+      ev.done = true;
+    }
+  }
+  stream_recorded_.erase(stream);
+  stream_completed_upto_.erase(stream);
+}
+
+}  // namespace cachealloc

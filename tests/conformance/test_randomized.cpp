@@ -1,0 +1,172 @@
+// test_randomized.cpp: fixed-seed random operation sequences on every policy, with the policy's
+// and the front end's invariants checked after every step, plus a shadow model that checks
+// what no invariant inside the allocator can see: live blocks never overlap, a block is never
+// handed to stream T while a stream other than T may still use it, and every live block of a
+// virtual-memory policy lies on mapped pages.
+#include "../support.h"
+
+#include <cachealloc/errors.h>
+
+#include <catch2/catch.hpp>
+
+#include <cstdlib>
+#include <map>
+#include <random>
+
+using namespace cachealloc;
+
+namespace {
+
+std::uint64_t operations_per_policy() {
+  if (const char* env = std::getenv("CACHEALLOC_RANDOM_OPS")) {
+    return std::strtoull(env, nullptr, 10);
+  }
+  return 1'000'000;
+}
+
+struct Interval {
+  std::uintptr_t addr;
+  std::size_t size;
+  std::uint64_t events_before;  // events recorded on the stream before the free: one recorded
+                                // after it and completed proves the stream is past the free
+};
+
+bool overlaps(const Interval& a, std::uintptr_t addr, std::size_t size) {
+  return a.addr < addr + size && addr < a.addr + a.size;
+}
+
+struct LiveBlock {
+  void* ptr;
+  std::size_t size;
+  StreamId stream;
+  std::vector<StreamId> others;
+};
+
+std::size_t random_size(std::mt19937_64& rng) {
+  switch (rng() % 8) {
+    case 0: case 1: case 2: return 1 + rng() % 4096;                  // tiny
+    case 3: case 4: return 1 + rng() % (1ul << 20);                     // small
+    case 5: case 6: return (1ul << 20) + rng() % (24ul << 20);          // large
+    default: return (16ul << 20) + rng() % (200ul << 20);               // huge
+  }
+}
+
+void run_sequence(const std::string& policy, std::uint64_t seed, std::uint64_t ops) {
+  SimOptions opts;
+  opts.capacity = 3 * kGiB;
+  auto [sim, a] = test::make_sim_allocator(policy, opts);
+  std::mt19937_64 rng(seed);
+  std::vector<LiveBlock> live;
+  cachealloc::test::OverlapTracker tracker;
+  // Intervals freed but possibly still in use by work queued on a stream.
+  std::map<StreamId, std::vector<Interval>> dirty;
+  constexpr StreamId kStreams = 3;
+  std::uint64_t ooms = 0;
+  std::uint64_t releases = 0;
+
+  for (std::uint64_t step = 0; step < ops; ++step) {
+    const unsigned op = static_cast<unsigned>(rng() % 100);
+    if (op < 45 || live.empty()) {
+      const std::size_t size = random_size(rng);
+      const StreamId s = rng() % kStreams;
+      void* p = nullptr;
+      try {
+        p = a->allocate(size, s);
+      } catch (const OutOfMemory&) {
+        ++ooms;
+      }
+      if (sim->counters().release_calls != releases) {
+        dirty.clear();  // the retry chain released memory: cudaFree synchronized the device
+        releases = sim->counters().release_calls;
+      }
+      if (p != nullptr) {
+        const auto info = a->find(p);
+        REQUIRE(info);
+        const auto addr = reinterpret_cast<std::uintptr_t>(p);
+        if (!tracker.add(p, info->block_size)) {
+          FAIL("policy " << policy << " seed " << seed << " step " << step
+                         << ": block overlaps a live block");
+        }
+        for (const auto& [stream, intervals] : dirty) {
+          if (stream == s) {
+            continue;
+          }
+          for (const Interval& iv : intervals) {
+            if (sim->stream_completed(stream) > iv.events_before) {
+              continue;  // an event recorded on `stream` after the free has completed
+            }
+            if (overlaps(iv, addr, info->block_size)) {
+              FAIL("policy " << policy << " seed " << seed << " step " << step
+                             << ": block handed to stream " << s
+                             << " while stream " << stream << " may still use it");
+            }
+          }
+        }
+        if (addr >= 0x600000000000 && addr < 0x7f0000000000 &&
+            !sim->is_mapped(addr, info->block_size)) {
+          FAIL("policy " << policy << " step " << step << ": block on unmapped pages");
+        }
+        live.push_back({p, info->block_size, s, {}});
+      }
+    } else if (op < 85) {
+      const std::size_t k = rng() % live.size();
+      LiveBlock b = live[k];
+      live[k] = live.back();
+      live.pop_back();
+      tracker.remove(b.ptr);
+      const auto addr = reinterpret_cast<std::uintptr_t>(b.ptr);
+      dirty[b.stream].push_back(Interval{addr, b.size, sim->stream_recorded(b.stream)});
+      for (StreamId o : b.others) {
+        dirty[o].push_back(Interval{addr, b.size, sim->stream_recorded(o)});
+      }
+      a->deallocate(b.ptr);
+    } else if (op < 92) {
+      LiveBlock& b = live[rng() % live.size()];
+      const StreamId o = rng() % kStreams;
+      a->record_stream(b.ptr, o);
+      if (o != b.stream) {
+        b.others.push_back(o);
+      }
+    } else if (op < 98) {
+      const StreamId s = rng() % kStreams;
+      sim->complete_stream(s);
+      dirty.erase(s);
+    } else if (op < 99) {
+      sim->complete_all();
+      dirty.clear();
+    } else {
+      // empty_cache waits for the events of parked frees, so only those intervals become
+      // clean; same-stream frees stay dirty for other streams.
+      a->empty_cache();
+    }
+    if (sim->counters().release_calls != releases) {
+      dirty.clear();  // cudaFree synchronized the device (SimBackend models that)
+      releases = sim->counters().release_calls;
+    }
+    a->check_invariants();
+  }
+  for (const LiveBlock& b : live) {
+    a->deallocate(b.ptr);
+  }
+  sim->complete_all();
+  a->empty_cache();
+  a->check_invariants();
+  const Stats s = a->stats();
+  CHECK(s.allocated_bytes.current == 0);
+  CHECK(s.active_bytes.current == 0);
+  CHECK(s.reserved_bytes.current == 0);
+  CHECK(sim->held_bytes() == 0);
+  INFO("ooms " << ooms);
+}
+
+}  // namespace
+
+TEST_CASE("randomized operation sequences keep every invariant", "[randomized]") {
+  const std::string policy = GENERATE(from_range(cachealloc::test::policy_names()));
+  const std::uint64_t total = operations_per_policy();
+  const std::uint64_t seeds = 4;
+  for (std::uint64_t seed = 1; seed <= seeds; ++seed) {
+    INFO("policy " << policy << " seed " << seed);
+    run_sequence(policy, seed, total / seeds);
+  }
+}

@@ -1,0 +1,180 @@
+// test_core.cpp: config parser, pointer map, simulated backend, and the front end's retry chain.
+#include "../support.h"
+
+#include <cachealloc/config.h>
+#include <cachealloc/errors.h>
+#include <cachealloc/pointer_map.h>
+#include <cachealloc/policies/size_class.h>
+
+#include <catch2/catch.hpp>
+
+#include <random>
+#include <unordered_map>
+
+using namespace cachealloc;
+
+TEST_CASE("config: PYTORCH_CUDA_ALLOC_CONF syntax", "[config]") {
+  Config c = Config::parse(
+      "policy:native, max_split_size_mb:256,roundup_power2_divisions:[256:1,512:2,>:4],"
+      "garbage_collection_threshold:0.6,expandable_segments:True");
+  CHECK(c.policy() == "native");
+  CHECK(c.take_bytes("max_split_size_mb") == 256 * kMiB);
+  auto list = c.take_list("roundup_power2_divisions");
+  REQUIRE(list);
+  REQUIRE(list->size() == 3);
+  CHECK((*list)[2].first == ">");
+  CHECK((*list)[2].second == "4");
+  CHECK(c.take_double("garbage_collection_threshold", 0.0, 1.0) == Approx(0.6));
+  CHECK(c.take_bool("expandable_segments") == true);
+  (void)c.take_string("policy");
+  CHECK_NOTHROW(c.finish("policy native", {}));
+  CHECK(Config::parse(c.to_string()).entries() == c.entries());
+}
+
+TEST_CASE("config: errors are clear", "[config]") {
+  CHECK_THROWS_WITH(Config::parse("policy"), Catch::Contains("has no ':'"));
+  CHECK_THROWS_WITH(Config::parse("a:1,a:2"), Catch::Contains("given twice"));
+  CHECK_THROWS_WITH(Config::parse("x:[1,2"), Catch::Contains("never closed"));
+  CHECK_THROWS_WITH(Config::parse("x:1]"), Catch::Contains("unbalanced"));
+  CHECK_THROWS_WITH(Config::parse("x:"), Catch::Contains("empty value"));
+  Config c = Config::parse("flag:maybe,n:12x,size:3TB,frac:nan");
+  CHECK_THROWS_WITH(c.take_bool("flag"), Catch::Contains("expects True or False"));
+  CHECK_THROWS_WITH(c.take_int("n", 0, 100), Catch::Contains("expects an integer"));
+  CHECK_THROWS_WITH(c.take_bytes("size"), Catch::Contains("unknown unit"));
+  CHECK_THROWS_WITH(c.take_double("frac", 0, 1), Catch::Contains("expects a number"));
+  Config d = Config::parse("polcy:size_class");
+  CHECK_THROWS_WITH(d.finish("policy size_class", {"policy"}),
+                    Catch::Contains("unknown key 'polcy'") && Catch::Contains("valid keys: policy"));
+  Config e = Config::parse("policy:nope");
+  CHECK_THROWS_WITH(make_allocator("nope", std::make_unique<SimBackend>(), e),
+                    Catch::Contains("unknown policy 'nope'") && Catch::Contains("size_class"));
+}
+
+TEST_CASE("pointer map agrees with std::unordered_map under random churn", "[core]") {
+  PointerMap<int> map;
+  std::unordered_map<std::uintptr_t, int> ref;
+  std::mt19937_64 rng(7);
+  std::vector<std::uintptr_t> keys;
+  for (int i = 0; i < 200000; ++i) {
+    if (keys.empty() || rng() % 2 == 0) {
+      const std::uintptr_t k = (rng() % 100000 + 1) * 512;
+      if (ref.count(k) != 0U) {
+        continue;
+      }
+      map.insert(k, i);
+      ref[k] = i;
+      keys.push_back(k);
+    } else {
+      const std::size_t j = rng() % keys.size();
+      CHECK(map.erase(keys[j]));
+      ref.erase(keys[j]);
+      keys[j] = keys.back();
+      keys.pop_back();
+    }
+  }
+  CHECK(map.size() == ref.size());
+  for (const auto& [k, v] : ref) {
+    const int* found = map.find(k);
+    REQUIRE(found != nullptr);
+    CHECK(*found == v);
+  }
+  CHECK(map.find(512 * 100001) == nullptr);
+}
+
+TEST_CASE("sim backend: capacity, deterministic addresses, events, faults", "[sim]") {
+  SimOptions o;
+  o.capacity = 64 * kMiB;
+  SimBackend a(o);
+  SimBackend b(o);
+  void* p1 = a.reserve(10 * kMiB);
+  void* p2 = b.reserve(10 * kMiB);
+  CHECK(p1 == p2);
+  CHECK(a.reserve(60 * kMiB) == nullptr);
+  CHECK(a.counters().failed_reserves == 1);
+  a.release(p1, 10 * kMiB);
+  CHECK(a.held_bytes() == 0);
+  CHECK(a.reserve(10 * kMiB) == p1);  // addresses are reused first-fit
+
+  const EventId e1 = a.record_event(5);
+  const EventId e2 = a.record_event(6);
+  CHECK_FALSE(a.query_event(e1));
+  a.complete_stream(5);
+  CHECK(a.query_event(e1));
+  CHECK_FALSE(a.query_event(e2));
+  a.hold_stream(6);
+  a.tick();
+  CHECK_FALSE(a.query_event(e2));
+  a.release_stream(6);
+  CHECK(a.query_event(e2));
+
+  a.fail_next(SimCall::reserve);
+  CHECK(a.reserve(kMiB) == nullptr);
+  a.fail_call(1, SimFault::device_error);
+  CHECK_THROWS_AS((void)a.record_event(1), DeviceError);
+  CHECK(a.injected_faults() == 2);
+
+  VirtualMemory* vm = a.virtual_memory();
+  REQUIRE(vm != nullptr);
+  const auto va = vm->reserve_address(8 * kMiB);
+  const PhysicalHandle h = vm->create_physical(2 * kMiB);
+  vm->map(va, 2 * kMiB, h);
+  CHECK(a.is_mapped(va, 2 * kMiB));
+  CHECK_FALSE(a.is_mapped(va, 4 * kMiB));
+  CHECK_THROWS_AS(vm->map(va, 2 * kMiB, h), DeviceError);  // already mapped there
+  vm->unmap(va, 2 * kMiB);
+  vm->release_physical(h, 2 * kMiB);
+  CHECK(a.counters().map_calls == 1);
+  CHECK(a.counters().unmap_calls == 1);
+}
+
+TEST_CASE("front end: the retry chain steps", "[core][oom]") {
+  SimOptions o;
+  o.capacity = 100 * kMiB;
+  auto backend = std::make_unique<SimBackend>(o);
+  SimBackend* sim = backend.get();
+  Config config;
+  CachingAllocator<SizeClassPolicy> a(std::move(backend), config);
+
+  SECTION("step 2: parked cross-stream frees are waited for before giving up") {
+    void* p = a.allocate(80 * kMiB, 1);
+    a.record_stream(p, 2);
+    a.deallocate(p);
+    CHECK(a.pending_frees() == 1);
+    // The cache alone cannot serve 90 MiB; only waiting for stream 2 and releasing can.
+    void* q = a.allocate(90 * kMiB, 1);
+    CHECK(q != nullptr);
+    CHECK(a.pending_frees() == 0);
+    CHECK(a.stats().num_alloc_retries == 1);
+    CHECK(a.stats().num_sync_all_streams >= 1);
+    a.deallocate(q);
+  }
+  SECTION("step 3: release cached reservations and retry") {
+    void* p = a.allocate(60 * kMiB, 1);
+    a.deallocate(p);
+    void* q = a.allocate(70 * kMiB, 1);
+    CHECK(q != nullptr);
+    CHECK(sim->counters().release_calls == 1);
+    a.deallocate(q);
+  }
+  SECTION("step 4: OOM message names requested, capacity, allocated, unused") {
+    void* p = a.allocate(30 * kMiB, 1);
+    CHECK_THROWS_WITH((void)a.allocate(90 * kMiB, 1),
+                      Catch::Contains("Tried to allocate 90.00 MiB") &&
+                          Catch::Contains("total capacity of 100.00 MiB") &&
+                          Catch::Contains("is allocated") &&
+                          Catch::Contains("reserved but unallocated"));
+    CHECK(a.stats().num_ooms == 1);
+    a.deallocate(p);
+  }
+  SECTION("a failing event record never loses the block") {
+    void* p = a.allocate(10 * kMiB, 1);
+    a.record_stream(p, 2);
+    sim->fail_next(SimCall::record_event, SimFault::device_error);
+    a.deallocate(p);  // does not throw: the block stays parked
+    CHECK(a.pending_frees() == 1);
+    a.check_invariants();
+    a.empty_cache();  // records the event again and waits
+    CHECK(a.pending_frees() == 0);
+  }
+  a.check_invariants();
+}

@@ -1,0 +1,66 @@
+// support.h: helpers shared by the CPU tests (policy lists, sim allocators, a shadow model).
+#pragma once
+
+#include <cachealloc/allocator.h>
+#include <cachealloc/policies/registry.h>
+#include <cachealloc/sim_backend.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace cachealloc::test {
+
+inline std::vector<std::string> policy_names() {
+  std::vector<std::string> names;
+  for (const PolicyInfo& p : registered_policies()) {
+    if (p.backend != BackendNeed::stream_ordered || true) {
+      names.emplace_back(p.name);
+    }
+  }
+  return names;
+}
+
+struct SimAllocator {
+  SimBackend* sim = nullptr;  // owned by the allocator
+  std::unique_ptr<DeviceAllocator> allocator;
+};
+
+inline SimAllocator make_sim_allocator(const std::string& policy, SimOptions options = {},
+                                       const std::string& conf = "") {
+  auto backend = std::make_unique<SimBackend>(options);
+  SimBackend* raw = backend.get();
+  Config config = Config::parse(conf);
+  auto allocator = make_allocator(policy, std::move(backend), config);
+  return {raw, std::move(allocator)};
+}
+
+/// Checks that live blocks never overlap (a shadow interval map kept by the test).
+class OverlapTracker {
+ public:
+  /// Returns false when [ptr, ptr+size) overlaps a live block.
+  bool add(void* ptr, std::size_t size) {
+    const auto a = reinterpret_cast<std::uintptr_t>(ptr);
+    auto next = live_.lower_bound(a);
+    if (next != live_.end() && next->first < a + size) {
+      return false;
+    }
+    if (next != live_.begin()) {
+      auto prev = std::prev(next);
+      if (prev->first + prev->second > a) {
+        return false;
+      }
+    }
+    live_.emplace(a, size);
+    return true;
+  }
+  void remove(void* ptr) { live_.erase(reinterpret_cast<std::uintptr_t>(ptr)); }
+  [[nodiscard]] std::size_t size() const { return live_.size(); }
+
+ private:
+  std::map<std::uintptr_t, std::size_t> live_;
+};
+
+}  // namespace cachealloc::test
