@@ -1,0 +1,149 @@
+// micro.cpp: Google Benchmark micro benchmarks of the allocator's own cost, per policy.
+//
+//   pair/<policy>/<bytes>     a cached alloc+free pair of one size on one stream
+//   random/<policy>           random free+alloc over 1,000 live blocks of 512 B - 32 MiB
+//   holes/<policy>/<holes>    alloc+free of a size that fits no hole, with N free holes cached
+//                             (best-fit search cost must stay flat as holes grow: O(log n))
+//   threads/<policy>          alloc+free pairs from 1, 2, 4, 8 threads on one allocator
+//
+// Run with --smoke (a ctest target does) for a tiny run that only proves they still work.
+#include <cachealloc/policies/registry.h>
+#include <cachealloc/sim_backend.h>
+
+#include <benchmark/benchmark.h>
+
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+using namespace cachealloc;
+
+namespace {
+
+std::unique_ptr<DeviceAllocator> make(const std::string& policy) {
+  SimOptions o;
+  o.auto_complete_events = true;
+  o.capacity = std::size_t{1} << 40;  // simulated: room for 64k holes of a few MiB
+  Config c;
+  return make_allocator(policy, std::make_unique<SimBackend>(o), c);
+}
+
+void pair(benchmark::State& state, const std::string& policy) {
+  auto a = make(policy);
+  const auto bytes = static_cast<std::size_t>(state.range(0));
+  a->deallocate(a->allocate(bytes, 0));  // warm the cache
+  for (auto _ : state) {
+    void* p = a->allocate(bytes, 0);
+    benchmark::DoNotOptimize(p);
+    a->deallocate(p);
+  }
+}
+
+void random_pattern(benchmark::State& state, const std::string& policy) {
+  auto a = make(policy);
+  std::mt19937_64 rng(1);
+  auto size = [&] { return std::size_t{512} << (rng() % 17); };  // 512 B .. 32 MiB
+  std::vector<void*> live(1000);
+  for (void*& p : live) {
+    p = a->allocate(size(), 0);
+  }
+  std::vector<std::size_t> sizes(4096);
+  std::vector<std::size_t> picks(4096);
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    sizes[i] = size();
+    picks[i] = rng() % live.size();
+  }
+  std::size_t i = 0;
+  for (auto _ : state) {
+    const std::size_t k = picks[i & 4095];
+    a->deallocate(live[k]);
+    live[k] = a->allocate(sizes[i & 4095], 0);
+    ++i;
+  }
+  for (void* p : live) {
+    a->deallocate(p);
+  }
+}
+
+void holes(benchmark::State& state, const std::string& policy) {
+  auto a = make(policy);
+  const auto n = static_cast<std::size_t>(state.range(0));
+  // 2n blocks of distinct large sizes; freeing every other one leaves n holes that cannot merge.
+  std::vector<void*> blocks;
+  for (std::size_t i = 0; i < 2 * n; ++i) {
+    blocks.push_back(a->allocate((2 << 20) + (i % 1024) * 4096, 0));
+  }
+  for (std::size_t i = 0; i < blocks.size(); i += 2) {
+    a->deallocate(blocks[i]);
+  }
+  const std::size_t probe = (2 << 20) + 700 * 4096;
+  for (auto _ : state) {
+    void* p = a->allocate(probe, 0);
+    benchmark::DoNotOptimize(p);
+    a->deallocate(p);
+  }
+  for (std::size_t i = 1; i < blocks.size(); i += 2) {
+    a->deallocate(blocks[i]);
+  }
+}
+
+std::unique_ptr<DeviceAllocator> g_shared;
+
+void threads(benchmark::State& state, const std::string& policy) {
+  if (state.thread_index() == 0) {
+    g_shared = make(policy);
+  }
+  // Google Benchmark starts all threads' loops together after setup.
+  for (auto _ : state) {
+    void* p = g_shared->allocate(4096 + 512 * static_cast<std::size_t>(state.thread_index()),
+                                 static_cast<StreamId>(state.thread_index()));
+    benchmark::DoNotOptimize(p);
+    g_shared->deallocate(p);
+  }
+  if (state.thread_index() == 0) {
+    state.SetLabel(policy);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool smoke = false;
+  std::vector<char*> args;
+  for (int i = 0; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--smoke") == 0) {
+      smoke = true;
+    } else {
+      args.push_back(argv[i]);
+    }
+  }
+  for (const PolicyInfo& info : registered_policies()) {
+    const std::string p(info.name);
+    auto* b = benchmark::RegisterBenchmark(("pair/" + p).c_str(), pair, p);
+    for (std::int64_t bytes : {512, 65536, 1 << 20, 8 << 20, 64 << 20}) {
+      b->Arg(bytes);
+    }
+    benchmark::RegisterBenchmark(("random/" + p).c_str(), random_pattern, p);
+    auto* h = benchmark::RegisterBenchmark(("holes/" + p).c_str(), holes, p);
+    for (std::int64_t n : {1000, 4000, 16000, 64000}) {
+      if (!smoke || n == 1000) {
+        h->Arg(n);
+      }
+    }
+    benchmark::RegisterBenchmark(("threads/" + p).c_str(), threads, p)->ThreadRange(1, 8)->UseRealTime();
+    if (smoke) {
+      b->Iterations(100);
+    }
+  }
+  if (smoke) {
+    static char min_time[] = "--benchmark_min_time=0.001";
+    args.push_back(min_time);
+  }
+  int n = static_cast<int>(args.size());
+  benchmark::Initialize(&n, args.data());
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

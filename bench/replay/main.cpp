@@ -1,0 +1,273 @@
+// main.cpp: cachealloc-replay, replays PyTorch memory snapshots on every policy side by side.
+#include "plot.h"
+#include "replay.h"
+
+#include <cachealloc/errors.h>
+#include <cachealloc/policies/registry.h>
+#include <cachealloc/trace/pickle.h>
+#include <cachealloc/trace/snapshot.h>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <unistd.h>
+
+using namespace cachealloc;
+
+namespace {
+
+std::string with_commas(std::uint64_t v) {
+  std::string s = std::to_string(v);
+  for (int i = static_cast<int>(s.size()) - 3; i > 0; i -= 3) {
+    s.insert(static_cast<std::size_t>(i), ",");
+  }
+  return s;
+}
+
+std::size_t parse_capacity(const std::string& text) {
+  Config c = Config::parse("capacity:" + text);
+  return *c.take_bytes("capacity");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "cachealloc-replay: replays a PyTorch memory snapshot (torch.cuda.memory._dump_snapshot, "
+      "plain or .xz) on a simulated device for each allocator policy and prints peak reserved "
+      "memory, fragmentation and speed side by side, with the reservations PyTorch's own "
+      "allocator made in the recorded run as the first row."};
+  std::string trace_path;
+  std::vector<std::string> policies;
+  std::vector<std::string> confs;
+  std::string capacity_text = "143771MB";
+  std::string json_path;
+  std::string plot_path;
+  std::string device_kind = "sim";
+  int device = -1;
+  bool quiet = false;
+  bool list = false;
+  std::uint64_t check_every = 0;
+  app.add_option("trace", trace_path, "the snapshot file (.pickle or .pickle.xz)");
+  app.add_option("--policy,-p", policies,
+                 "policy to replay (repeatable; default: every registered policy)");
+  app.add_option("--conf,-c", confs,
+                 "CACHEALLOC_CONF settings for a policy, as POLICY=KEY:VALUE,... e.g. "
+                 "native=expandable_segments:True (repeatable; 'native' defaults to the settings "
+                 "recorded in the trace)");
+  app.add_option("--capacity", capacity_text,
+                 "simulated device memory, e.g. 80GB or 143771MB (default: an H200, 143771MB)");
+  app.add_option("--json", json_path, "write the results as JSON to this file");
+  app.add_option("--plot", plot_path,
+                 "draw reserved and live bytes over the trace for every policy (.svg or .html)");
+  app.add_option("--device", device_kind, "sim (default): the simulated device")
+      ->check(CLI::IsMember({"sim"}));
+  app.add_option("--trace-device", device, "which device of the snapshot to replay (default: busiest)");
+  app.add_option("--check-every", check_every,
+                 "run the allocator's invariant checks every N operations (slow; 0 = off)");
+  app.add_flag("--quiet,-q", quiet, "no progress output on stderr");
+  app.add_flag("--list-policies", list, "list the registered policies and exit");
+  CLI11_PARSE(app, argc, argv);
+
+  if (list) {
+    for (const PolicyInfo& p : registered_policies()) {
+      std::printf("%-12s %s%s\n", std::string(p.name).c_str(), std::string(p.summary).c_str(),
+                  p.replay_only ? " (replay only)" : "");
+    }
+    return 0;
+  }
+  if (trace_path.empty()) {
+    std::cerr << "cachealloc-replay: no trace given. Usage: cachealloc-replay TRACE [--policy NAME]... "
+                 "(see --help)\n";
+    return 2;
+  }
+  const bool progress = !quiet && isatty(STDERR_FILENO) != 0;
+
+  try {
+    std::size_t capacity = parse_capacity(capacity_text);
+    if (policies.empty()) {
+      for (const PolicyInfo& p : registered_policies()) {
+        policies.emplace_back(p.name);
+      }
+    }
+    for (const std::string& p : policies) {
+      if (find_policy(p) == nullptr) {
+        Config dummy;
+        (void)make_allocator(p, std::make_unique<SimBackend>(), dummy);  // throws a clear error
+      }
+    }
+    std::map<std::string, std::string> conf_of;
+    for (const std::string& c : confs) {
+      const auto eq = c.find('=');
+      if (eq == std::string::npos) {
+        throw ConfigError("--conf expects POLICY=KEY:VALUE,..., got '" + c + "'");
+      }
+      conf_of[c.substr(0, eq)] = c.substr(eq + 1);
+    }
+
+    trace::ReadOptions read_options;
+    if (progress) {
+      read_options.progress = [](double f) { std::fprintf(stderr, "\rreading trace %5.1f%%", f * 100); };
+    }
+    const trace::Snapshot snapshot = trace::read_snapshot(trace_path, read_options);
+    if (progress) {
+      std::fprintf(stderr, "\r%30s\r", "");
+    }
+    std::string name = trace_path.substr(trace_path.find_last_of('/') + 1);
+    const replay::PreparedTrace prepared =
+        replay::prepare(snapshot, name, device >= 0 ? std::optional<int>(device) : std::nullopt);
+
+    std::vector<replay::PolicyResult> results;
+    for (const std::string& p : policies) {
+      replay::ReplayOptions opts;
+      opts.capacity = capacity;
+      opts.check_every = check_every;
+      opts.plot_points = plot_path.empty() ? 0 : 2000;
+      std::string conf;
+      if (auto it = conf_of.find(p); it != conf_of.end()) {
+        conf = it->second;
+      } else if (p == "native") {
+        conf = replay::native_conf_from_settings(prepared.settings);
+        opts.check_fidelity = !prepared.segments.empty();
+      }
+      if (progress) {
+        opts.progress = [&p](double f) {
+          std::fprintf(stderr, "\rreplaying %-12s %5.1f%%", p.c_str(), f * 100);
+        };
+      }
+      try {
+        results.push_back(replay::run(prepared, p, conf, opts));
+      } catch (const ConfigError&) {
+        throw;
+      } catch (const Error& e) {
+        replay::PolicyResult failed;
+        failed.name = p;
+        failed.conf = conf;
+        failed.error = e.what();
+        results.push_back(failed);
+      }
+      if (progress) {
+        std::fprintf(stderr, "\r%40s\r", "");
+      }
+    }
+
+    // The table.
+    std::printf("trace %s: %s events, %u allocations, device %d, simulated capacity %s\n",
+                name.c_str(), with_commas(prepared.trace_events).c_str(), prepared.slots,
+                prepared.device, format_bytes(capacity).c_str());
+    std::printf("%-11s %18s %18s %7s %9s %9s %8s %8s %7s %12s\n", "policy", "peak reserved",
+                "peak requested", "ratio", "reserves", "releases", "maps", "unmaps", "failed",
+                "events/s");
+    const double req = static_cast<double>(prepared.peak_requested);
+    if (!prepared.segments.empty()) {
+      std::printf("%-11s %18s %18s %7.3f %9s %9s %8s %8s %7s %12s\n", "recorded",
+                  with_commas(prepared.recorded_peak_reserved).c_str(),
+                  with_commas(prepared.peak_requested).c_str(),
+                  static_cast<double>(prepared.recorded_peak_reserved) / req, "-", "-", "-", "-", "-", "-");
+    }
+    for (const replay::PolicyResult& r : results) {
+      if (!r.error.empty()) {
+        std::printf("%-11s failed: %s\n", r.name.c_str(), r.error.c_str());
+        continue;
+      }
+      std::printf("%-11s %18s %18s %7.3f %9llu %9llu %8llu %8llu %7llu %12s\n", r.name.c_str(),
+                  with_commas(r.peak_reserved).c_str(), with_commas(prepared.peak_requested).c_str(),
+                  static_cast<double>(r.peak_reserved) / req,
+                  static_cast<unsigned long long>(r.device_reserve_calls),
+                  static_cast<unsigned long long>(r.device_release_calls),
+                  static_cast<unsigned long long>(r.map_calls),
+                  static_cast<unsigned long long>(r.unmap_calls),
+                  static_cast<unsigned long long>(r.failed_allocations),
+                  with_commas(static_cast<std::uint64_t>(r.events_per_second)).c_str());
+    }
+    for (const replay::PolicyResult& r : results) {
+      if (!r.conf.empty()) {
+        std::printf("  %s ran with CACHEALLOC_CONF=%s\n", r.name.c_str(), r.conf.c_str());
+      }
+      if (r.fidelity) {
+        const replay::Fidelity& f = *r.fidelity;
+        if (!f.first_divergence_event) {
+          std::printf("  fidelity: %s made the same %llu device reservations as the recorded run "
+                      "(MATCH)\n", r.name.c_str(), static_cast<unsigned long long>(f.model_segments));
+        } else {
+          std::printf("  fidelity: %s DIVERGES from the recorded run at trace event %llu: %s "
+                      "(recorded %llu reservations, model %llu)\n",
+                      r.name.c_str(), static_cast<unsigned long long>(*f.first_divergence_event),
+                      f.detail.c_str(), static_cast<unsigned long long>(f.recorded_segments),
+                      static_cast<unsigned long long>(f.model_segments));
+        }
+      }
+    }
+    if (prepared.unmatched_frees != 0) {
+      std::printf("  note: %llu frees of blocks allocated before recording started were skipped\n",
+                  static_cast<unsigned long long>(prepared.unmatched_frees));
+    }
+
+    if (!json_path.empty()) {
+      nlohmann::json j;
+      j["trace"] = trace_path;
+      j["events"] = prepared.trace_events;
+      j["capacity_bytes"] = capacity;
+      j["recorded"] = {{"peak_reserved_bytes", prepared.recorded_peak_reserved},
+                       {"segments", prepared.segments.size()}};
+      j["policies"] = nlohmann::json::array();
+      for (const replay::PolicyResult& r : results) {
+        nlohmann::json p;
+        p["name"] = r.name;
+        p["conf"] = r.conf;
+        if (!r.error.empty()) {
+          p["error"] = r.error;
+        } else {
+          p["peak_reserved_bytes"] = r.peak_reserved;
+          p["peak_requested_bytes"] = prepared.peak_requested;
+          p["ratio"] = static_cast<double>(r.peak_reserved) / req;
+          p["device_reserve_calls"] = r.device_reserve_calls;
+          p["device_release_calls"] = r.device_release_calls;
+          p["map_calls"] = r.map_calls;
+          p["unmap_calls"] = r.unmap_calls;
+          p["mapped_bytes"] = r.mapped_bytes;
+          p["failed_allocations"] = r.failed_allocations;
+          p["events_per_second"] = r.events_per_second;
+          p["replay_seconds"] = r.seconds;
+        }
+        if (r.fidelity) {
+          p["fidelity"] = {{"recorded_segments", r.fidelity->recorded_segments},
+                           {"model_segments", r.fidelity->model_segments},
+                           {"first_divergence_event",
+                            r.fidelity->first_divergence_event
+                                ? nlohmann::json(*r.fidelity->first_divergence_event)
+                                : nlohmann::json(nullptr)}};
+        }
+        j["policies"].push_back(p);
+      }
+      std::ofstream out(json_path);
+      if (!out) {
+        throw Error("cannot write --json file '" + json_path + "'");
+      }
+      out << j.dump(2) << "\n";
+    }
+    if (!plot_path.empty()) {
+      replay::write_plot(plot_path, prepared, results);
+      std::printf("  plot written to %s\n", plot_path.c_str());
+    }
+    for (const replay::PolicyResult& r : results) {
+      if (!r.error.empty()) {
+        return 1;
+      }
+    }
+    return 0;
+  } catch (const trace::TraceError& e) {
+    std::cerr << "cachealloc-replay: cannot read the trace: " << e.what() << "\n";
+    return 3;
+  } catch (const ConfigError& e) {
+    std::cerr << "cachealloc-replay: " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "cachealloc-replay: " << e.what() << "\n";
+    return 1;
+  }
+}

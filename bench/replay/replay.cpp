@@ -1,0 +1,305 @@
+// replay.cpp: turning snapshots into operations and replaying them (see replay.h).
+#include "replay.h"
+
+#include <cachealloc/errors.h>
+#include <cachealloc/policies/registry.h>
+#ifdef CACHEALLOC_HAS_NATIVE
+#include <cachealloc/policies/native.h>
+#endif
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <unordered_map>
+
+namespace cachealloc::replay {
+namespace {
+
+/// Private streams for deferred frees (Note [Replaying frees]); far from any real cudaStream_t.
+constexpr StreamId kDeferredStreamBase = 0xFFFF'0000'0000'0000ull;
+
+bool is_segment_action(trace::Action a) {
+  return a == trace::Action::segment_alloc || a == trace::Action::segment_free ||
+         a == trace::Action::segment_map || a == trace::Action::segment_unmap;
+}
+
+}  // namespace
+
+PreparedTrace prepare(const trace::Snapshot& snapshot, std::string name, std::optional<int> device) {
+  PreparedTrace t;
+  t.name = std::move(name);
+  t.settings = snapshot.settings;
+  if (!device) {
+    std::vector<std::uint64_t> counts(std::max<std::size_t>(snapshot.device_count, 1), 0);
+    for (const trace::TraceEvent& e : snapshot.events) {
+      if (e.device >= 0 && static_cast<std::size_t>(e.device) < counts.size()) {
+        ++counts[static_cast<std::size_t>(e.device)];
+      }
+    }
+    device = static_cast<int>(std::max_element(counts.begin(), counts.end()) - counts.begin());
+  }
+  t.device = *device;
+
+  // Pass 1: index the entries of this device.
+  std::vector<const trace::TraceEvent*> events;
+  events.reserve(snapshot.events.size());
+  for (const trace::TraceEvent& e : snapshot.events) {
+    if (e.device == *device) {
+      events.push_back(&e);
+    }
+  }
+  t.trace_events = events.size();
+
+  // Pass 2: resolve addresses to slots; find which frees were deferred.
+  std::unordered_map<std::uint64_t, std::uint32_t> live;  // addr -> slot
+  live.reserve(1024);
+  std::vector<std::uint64_t> slot_size;
+  std::vector<std::int64_t> requested_at;  // slot -> index of its free_requested op
+  std::uint64_t requested = 0;
+  std::uint64_t reserved = 0;
+  t.ops.reserve(events.size());
+  std::unordered_map<std::uint64_t, std::uint32_t> awaiting;  // addr -> slot freed, not completed
+  for (std::size_t i = 0; i < events.size(); ++i) {
+    const trace::TraceEvent& e = *events[i];
+    switch (e.action) {
+      case trace::Action::alloc: {
+        const std::uint32_t slot = t.slots++;
+        live[e.addr] = slot;
+        slot_size.push_back(e.size);
+        requested_at.push_back(-1);
+        requested += e.size;
+        t.peak_requested = std::max(t.peak_requested, requested);
+        t.ops.push_back({OpKind::alloc, slot, e.size, e.stream});
+        break;
+      }
+      case trace::Action::free_requested: {
+        auto it = live.find(e.addr);
+        if (it == live.end()) {
+          ++t.unmatched_frees;  // allocated before history recording started
+          break;
+        }
+        const std::uint32_t slot = it->second;
+        live.erase(it);
+        requested -= slot_size[slot];
+        // Adjacent free_completed for the same address: an ordinary free.
+        const bool immediate = i + 1 < events.size() &&
+                               events[i + 1]->action == trace::Action::free_completed &&
+                               events[i + 1]->addr == e.addr;
+        if (immediate) {
+          t.ops.push_back({OpKind::free, slot, 0, 0});
+          ++i;  // the free_completed is part of this free
+        } else {
+          t.ops.push_back({OpKind::free_deferred, slot, 0, 0});
+          awaiting[e.addr] = slot;
+        }
+        break;
+      }
+      case trace::Action::free_completed: {
+        auto it = awaiting.find(e.addr);
+        if (it == awaiting.end()) {
+          ++t.unmatched_frees;
+          break;
+        }
+        t.ops.push_back({OpKind::free_completed, it->second, 0, 0});
+        awaiting.erase(it);
+        break;
+      }
+      default:
+        if (is_segment_action(e.action)) {
+          t.segments.push_back({e.action, e.size, i});
+          if (e.action == trace::Action::segment_alloc || e.action == trace::Action::segment_map) {
+            reserved += e.size;
+            t.recorded_peak_reserved = std::max(t.recorded_peak_reserved, reserved);
+          } else {
+            reserved = reserved >= e.size ? reserved - e.size : 0;
+          }
+        }
+        break;
+    }
+  }
+  return t;
+}
+
+std::string native_conf_from_settings(const trace::AllocatorSettings& s) {
+  std::string conf;
+  if (!s.present) {
+    return conf;
+  }
+  auto add = [&](const std::string& entry) { conf += (conf.empty() ? "" : ",") + entry; };
+  if (s.max_split_size > 0 && s.max_split_size != std::numeric_limits<std::int64_t>::max()) {
+    add("max_split_size_mb:" + std::to_string(s.max_split_size / static_cast<std::int64_t>(kMiB)));
+  }
+  if (s.garbage_collection_threshold > 0) {
+    add("garbage_collection_threshold:" + std::to_string(s.garbage_collection_threshold));
+  }
+  if (s.expandable_segments) {
+    add("expandable_segments:True");
+  }
+  std::string divisions;
+  for (const auto& [interval, div] : s.roundup_power2_divisions) {
+    if (div != 0) {
+      divisions += (divisions.empty() ? "" : ",") + std::to_string(interval) + ":" + std::to_string(div);
+    }
+  }
+  if (!divisions.empty()) {
+    add("roundup_power2_divisions:[" + divisions + "]");
+  }
+  return conf;
+}
+
+Fidelity compare_segments(const PreparedTrace& trace,
+                          const std::vector<std::pair<trace::Action, std::uint64_t>>& model) {
+  Fidelity f;
+  f.recorded_segments = trace.segments.size();
+  f.model_segments = model.size();
+  const std::size_t n = std::min(trace.segments.size(), model.size());
+  for (std::size_t i = 0; i < n; ++i) {
+    const SegmentEntry& r = trace.segments[i];
+    if (r.action != model[i].first || r.size != model[i].second) {
+      f.first_divergence_event = r.trace_index;
+      f.detail = "reservation " + std::to_string(i) + ": recorded " +
+                 std::string(trace::to_string(r.action)) + " of " + std::to_string(r.size) +
+                 " bytes, model " + std::string(trace::to_string(model[i].first)) + " of " +
+                 std::to_string(model[i].second) + " bytes";
+      return f;
+    }
+  }
+  if (trace.segments.size() != model.size()) {
+    f.first_divergence_event = n < trace.segments.size() ? trace.segments[n].trace_index
+                                                         : trace.trace_events;
+    f.detail = "the recorded run made " + std::to_string(trace.segments.size()) +
+               " reservations, the model " + std::to_string(model.size());
+  }
+  return f;
+}
+
+PolicyResult run(const PreparedTrace& trace, const std::string& policy, const std::string& conf,
+                 const ReplayOptions& options) {
+  PolicyResult r;
+  r.name = policy;
+  r.conf = conf;
+  SimOptions sim_options;
+  sim_options.capacity = options.capacity;
+  sim_options.device = trace.device;
+  auto backend = std::make_unique<SimBackend>(sim_options);
+  SimBackend& sim = *backend;
+  Config config = Config::parse(conf);
+  (void)config.take_string("policy");
+  std::unique_ptr<DeviceAllocator> allocator = make_allocator(policy, std::move(backend), config);
+  std::vector<std::string_view> valid = front_end_config_keys();
+  if (const PolicyInfo* info = find_policy(policy)) {
+    for (std::string_view k : info->config_keys()) {
+      valid.push_back(k);
+    }
+  }
+  config.finish("policy " + policy, valid);
+
+#ifdef CACHEALLOC_HAS_NATIVE
+  NativePolicy* native = nullptr;
+  if (options.check_fidelity) {
+    if (auto* a = dynamic_cast<CachingAllocator<NativePolicy>*>(allocator.get())) {
+      native = &a->policy();
+      native->set_record_segments(true);
+    }
+  }
+#endif
+
+  DeviceAllocator& alloc = *allocator;
+  std::vector<void*> ptrs(trace.slots, nullptr);
+  const std::size_t n = trace.ops.size();
+  const std::size_t sample_every =
+      options.plot_points == 0 ? 0 : std::max<std::size_t>(1, n / options.plot_points);
+  std::uint64_t requested = 0;
+  std::vector<std::uint64_t> slot_sizes;
+  if (sample_every != 0) {
+    slot_sizes.assign(trace.slots, 0);
+  }
+  const auto start = std::chrono::steady_clock::now();
+  auto last_progress = start;
+  for (std::size_t i = 0; i < n; ++i) {
+    const Op& op = trace.ops[i];
+    switch (op.kind) {
+      case OpKind::alloc:
+        try {
+          ptrs[op.slot] = alloc.allocate(op.size, op.stream);
+        } catch (const OutOfMemory&) {
+          ++r.failed_allocations;
+        }
+        if (sample_every != 0) {
+          slot_sizes[op.slot] = op.size;
+          requested += op.size;
+        }
+        break;
+      case OpKind::free:
+        alloc.deallocate(ptrs[op.slot]);
+        ptrs[op.slot] = nullptr;
+        if (sample_every != 0) {
+          requested -= slot_sizes[op.slot];
+        }
+        break;
+      case OpKind::free_deferred:
+        if (ptrs[op.slot] != nullptr) {
+          alloc.record_stream(ptrs[op.slot], kDeferredStreamBase + op.slot);
+          sim.hold_stream(kDeferredStreamBase + op.slot);
+          alloc.deallocate(ptrs[op.slot]);
+          ptrs[op.slot] = nullptr;
+        }
+        if (sample_every != 0) {
+          requested -= slot_sizes[op.slot];
+        }
+        break;
+      case OpKind::free_completed:
+        sim.release_stream(kDeferredStreamBase + op.slot);
+        break;
+    }
+    if (sample_every != 0 && i % sample_every == 0) {
+      r.samples.push_back({i, static_cast<std::uint64_t>(alloc.stats().reserved_bytes.current), requested});
+    }
+    if (options.check_every != 0 && i % options.check_every == 0) {
+      alloc.check_invariants();
+    }
+    if ((i & 0xFFFF) == 0xFFFF && options.progress) {
+      const auto now = std::chrono::steady_clock::now();
+      if (now - last_progress > std::chrono::milliseconds(500)) {
+        options.progress(static_cast<double>(i) / static_cast<double>(n));
+        last_progress = now;
+      }
+    }
+  }
+  const auto stop = std::chrono::steady_clock::now();
+  r.seconds = std::chrono::duration<double>(stop - start).count();
+  r.events_per_second = r.seconds > 0 ? static_cast<double>(trace.trace_events) / r.seconds : 0;
+
+  const Stats s = alloc.stats();
+  r.peak_reserved = static_cast<std::uint64_t>(s.reserved_bytes.peak);
+  r.peak_requested = static_cast<std::uint64_t>(s.requested_bytes.peak);
+  r.peak_allocated = static_cast<std::uint64_t>(s.allocated_bytes.peak);
+  const BackendCounters& c = sim.counters();
+  r.device_reserve_calls = c.reserve_calls + c.physical_creates;
+  r.device_release_calls = c.release_calls + c.physical_releases;
+  r.map_calls = c.map_calls;
+  r.unmap_calls = c.unmap_calls;
+  r.mapped_bytes = c.mapped_bytes;
+#ifdef CACHEALLOC_HAS_NATIVE
+  if (native != nullptr) {
+    std::vector<std::pair<trace::Action, std::uint64_t>> model;
+    for (const SegmentEvent& e : native->segment_events()) {
+      trace::Action a = trace::Action::segment_alloc;
+      switch (e.kind) {
+        case SegmentEvent::alloc: a = trace::Action::segment_alloc; break;
+        case SegmentEvent::free: a = trace::Action::segment_free; break;
+        case SegmentEvent::map: a = trace::Action::segment_map; break;
+        case SegmentEvent::unmap: a = trace::Action::segment_unmap; break;
+      }
+      model.emplace_back(a, e.size);
+    }
+    r.fidelity = compare_segments(trace, model);
+  }
+#endif
+  if (options.check_every != 0) {
+    alloc.check_invariants();
+  }
+  return r;
+}
+
+}  // namespace cachealloc::replay

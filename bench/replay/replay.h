@@ -1,0 +1,114 @@
+// replay.h: replaying a PyTorch memory snapshot on an allocator, policy by policy.
+//
+// A trace is turned once into compact operations (prepare()), then replayed on a fresh
+// allocator per policy. Trace addresses are resolved to slots ahead of time, so the replay
+// loop does no hashing of its own.
+//
+// Note [Replaying frees]
+// PyTorch writes `free_requested` when a tensor dies and `free_completed` when the block can be
+// reused; the two are adjacent unless another stream still used the block (record_stream).
+// For such a deferred free the replay calls record_stream(ptr, S) on a private stream S that the
+// simulated device holds busy, frees the block, and lets S finish at `free_completed`: the front
+// end then hands the block back at the next allocation, exactly when PyTorch's allocator could
+// reuse it. Requested bytes count from `alloc` to `free_requested` (the tensor's lifetime).
+#pragma once
+
+#include <cachealloc/allocator.h>
+#include <cachealloc/sim_backend.h>
+#include <cachealloc/trace/snapshot.h>
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace cachealloc::replay {
+
+enum class OpKind : std::uint8_t { alloc, free, free_deferred, free_completed };
+
+struct Op {
+  OpKind kind;
+  std::uint32_t slot;
+  std::uint64_t size;    // alloc: requested bytes
+  std::uint64_t stream;  // alloc: stream
+};
+
+/// One recorded device reservation of PyTorch's native allocator.
+struct SegmentEntry {
+  trace::Action action;  // segment_alloc / segment_free / segment_map / segment_unmap
+  std::uint64_t size;
+  std::uint64_t trace_index;
+};
+
+struct PreparedTrace {
+  std::string name;
+  std::uint64_t trace_events = 0;  ///< entries in the trace (all actions)
+  std::vector<Op> ops;
+  std::uint32_t slots = 0;
+  std::vector<SegmentEntry> segments;
+  std::uint64_t recorded_peak_reserved = 0;
+  std::uint64_t peak_requested = 0;
+  std::uint64_t unmatched_frees = 0;   ///< frees of blocks allocated before recording started
+  trace::AllocatorSettings settings;
+  int device = 0;
+};
+
+/// Builds the operations for one device of `snapshot` (the device with the most entries when
+/// `device` is unset). Throws trace::TraceError on inconsistent traces.
+PreparedTrace prepare(const trace::Snapshot& snapshot, std::string name,
+                      std::optional<int> device = std::nullopt);
+
+/// The CACHEALLOC_CONF entries that reproduce the trace's PyTorch allocator settings.
+std::string native_conf_from_settings(const trace::AllocatorSettings& settings);
+
+struct Fidelity {
+  std::uint64_t recorded_segments = 0;
+  std::uint64_t model_segments = 0;
+  std::optional<std::uint64_t> first_divergence_event;  ///< trace index where they differ
+  std::string detail;
+};
+
+struct Sample {
+  std::uint64_t op_index;
+  std::uint64_t reserved;
+  std::uint64_t requested;
+};
+
+struct PolicyResult {
+  std::string name;
+  std::string conf;
+  std::uint64_t peak_reserved = 0;
+  std::uint64_t peak_requested = 0;
+  std::uint64_t peak_allocated = 0;
+  std::uint64_t device_reserve_calls = 0;
+  std::uint64_t device_release_calls = 0;
+  std::uint64_t map_calls = 0;
+  std::uint64_t unmap_calls = 0;
+  std::uint64_t mapped_bytes = 0;
+  std::uint64_t failed_allocations = 0;
+  double seconds = 0;
+  double events_per_second = 0;
+  std::optional<Fidelity> fidelity;
+  std::vector<Sample> samples;  ///< for plots
+  std::string error;            ///< non-empty when the policy could not run
+};
+
+struct ReplayOptions {
+  std::size_t capacity = std::size_t{143771} * kMiB;
+  std::size_t plot_points = 0;  ///< samples to keep for plots (0: none)
+  bool check_fidelity = false;
+  std::function<void(double fraction)> progress;
+  /// Runs check_invariants() every N operations (0: never).
+  std::uint64_t check_every = 0;
+};
+
+/// Replays `trace` on a fresh simulated device with `policy` configured by `conf`.
+PolicyResult run(const PreparedTrace& trace, const std::string& policy, const std::string& conf,
+                 const ReplayOptions& options);
+
+/// Compares a model's device reservations with the recorded ones.
+Fidelity compare_segments(const PreparedTrace& trace,
+                          const std::vector<std::pair<trace::Action, std::uint64_t>>& model);
+
+}  // namespace cachealloc::replay

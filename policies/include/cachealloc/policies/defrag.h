@@ -1,0 +1,143 @@
+// defrag.h: policy `defrag`, defragmenting best-fit on CUDA virtual memory.
+//
+// Blocks are packed (512-byte aligned) into a large reserved virtual address range; physical
+// memory backs it in pages of the device granularity (2 MiB on the H200), one physical handle
+// per page, so that pages can move individually. A page is mapped while any live byte lies on
+// it; pages at the edges of blocks are shared by their neighbours. When memory would otherwise
+// grow, the physical pages lying under free holes are unmapped and mapped where they are
+// needed ("stitching", GMLake, ASPLOS 2024), so holes never cost physical memory for long.
+// reserved_bytes() is the physical memory held, and all of it is mapped between calls.
+//
+// Placement (all searches O(log n) in size-ordered sets):
+//   1. best fit among free *mapped* ranges usable by the stream: no device call at all;
+//   2. otherwise best fit among free *unmapped* ranges (each with its free mapped neighbours),
+//      mapping the pages the block needs: new physical pages while the policy holds less than
+//      (1 + grow_slack) x live bytes, then pages taken from free holes (oldest first), then,
+//      after waiting for the streams that used them, recently freed ones, then new pages.
+//
+// Settings (CACHEALLOC_CONF, e.g. "policy:defrag,grow_slack:0.005,va_reserve_gb:512"):
+//   va_reserve_gb     virtual address space reserved per range, in GiB (default: twice the
+//                     device memory); another range is reserved whenever one is full
+//   grow_slack        how far physical memory may grow beyond the live bytes before free pages
+//                     are moved instead of new ones created (fraction, default 0.01). Peak
+//                     reserved <= max((1 + grow_slack) x peak live bytes, live bytes plus the
+//                     partly used pages at the edges of free holes)
+//   small_size        requests up to this size go to their own address range, so that small
+//                     long-lived tensors do not split the large holes (bytes, default 0 = one
+//                     range for all sizes; e.g. 1MB)
+//   wait_for_streams  before creating physical memory beyond the slack, wait for the events of
+//                     the streams that last used free pages and move those pages (default True)
+//
+// Note [Physical pages and the streams that used them]
+// A page may only be unmapped once every stream that used it finished that work: the policy
+// stamps each freed range with the current *epoch*; closing an epoch records one event on each
+// stream that freed something during it (one event per stream per epoch, never per page), and
+// a range stamped e is safe once every event of epoch e completed. Unmapping only ever takes
+// pages of safe ranges; the same stamps decide when a range freed on stream A may be reused by
+// stream B without remapping (policy.h, item 4).
+//
+// Stats: the backend counts map/unmap calls and bytes (Stats::num_maps, bytes_mapped, ...);
+// DefragPolicy::counters() adds pages created, moved and released, and the stream waits.
+#pragma once
+
+#include <cachealloc/backend.h>
+#include <cachealloc/config.h>
+#include <cachealloc/policy.h>
+#include <cachealloc/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <vector>
+
+namespace cachealloc {
+
+namespace detail {
+class DefragEngine;
+}  // namespace detail
+
+/// The settings, after CACHEALLOC_CONF (see the table above).
+struct DefragSettings {
+  std::size_t va_reserve_bytes = 0;  ///< 0 = twice the device memory
+  double grow_slack = 0.01;
+  std::size_t small_size = 0;  ///< 0 = small requests share the large range
+  bool wait_for_streams = true;
+};
+
+/// What the policy did to the device, beyond the backend's own map/unmap counters.
+struct DefragCounters {
+  std::uint64_t pages_created = 0;   ///< create_physical() calls (one page each)
+  std::uint64_t pages_released = 0;  ///< pages given back (release_cached, failed growth)
+  std::uint64_t pages_mapped = 0;    ///< pages mapped under new blocks
+  std::uint64_t pages_moved = 0;     ///< pages unmapped from a free hole to be mapped elsewhere
+  std::uint64_t unmap_batches = 0;   ///< unmap() calls (each covers consecutive pages)
+  std::uint64_t grow_allocations = 0;  ///< allocations that needed pages mapped
+  std::uint64_t events_recorded = 0;   ///< epoch-closing events (one per stream per epoch)
+  std::uint64_t stream_waits = 0;      ///< times the policy waited for epoch events
+  std::uint64_t address_ranges = 0;    ///< virtual address ranges reserved
+};
+
+/// Where the physical memory held goes (DefragPolicy::breakdown(), O(ranges)).
+struct DefragBreakdown {
+  std::size_t live_bytes = 0;         ///< bytes of live blocks
+  std::size_t edge_free_bytes = 0;    ///< free bytes on pages that also carry live bytes
+  std::size_t cached_free_bytes = 0;  ///< free bytes on wholly free mapped pages (movable)
+  std::size_t free_holes = 0;         ///< mapped free holes
+  std::size_t live_blocks = 0;
+};
+
+class DefragPolicy {
+ public:
+  static constexpr std::string_view kName = "defrag";
+  static std::vector<std::string_view> config_keys();
+  static std::string_view oom_hint() {
+    return "policy defrag holds physical pages only under live blocks and at the partly used "
+           "edges of free holes; lower grow_slack (CACHEALLOC_CONF) to hold less beyond the "
+           "live bytes.";
+  }
+
+  /// Throws ConfigError when the backend has no virtual memory or a setting is invalid.
+  DefragPolicy(DeviceBackend& backend, Config& config);
+  DefragPolicy(DeviceBackend& backend, const DefragSettings& settings);
+  ~DefragPolicy();
+  DefragPolicy(const DefragPolicy&) = delete;
+  DefragPolicy& operator=(const DefragPolicy&) = delete;
+
+  [[nodiscard]] Block allocate(std::size_t bytes, StreamId stream);
+  void deallocate(Block block, StreamId stream) noexcept;
+  /// Waits for every stream that used a free page, then unmaps and releases all wholly free pages.
+  std::size_t release_cached();
+  [[nodiscard]] std::size_t reserved_bytes() const noexcept;
+  /// No overlap, the address ranges tiled exactly by blocks and holes, every page mapped at
+  /// most once and mapped exactly when a block or a mapped hole lies on it, mapped bytes ==
+  /// reserved bytes, the indexes in step with the ranges, no page unmapped while a stream use
+  /// recorded on it was unfinished. O(ranges + pages).
+  void check_invariants() const;
+
+  template <class F>
+  void visit_segments(F&& f) const {
+    for (const SegmentView& s : segment_views()) {
+      f(s);
+    }
+  }
+
+  [[nodiscard]] DefragCounters counters() const noexcept;
+  [[nodiscard]] const DefragSettings& settings() const noexcept;
+  /// Sum of the (512-byte rounded) sizes of live blocks.
+  [[nodiscard]] std::size_t live_bytes() const noexcept;
+  /// reserved_bytes() split into live, edge and cached bytes.
+  [[nodiscard]] DefragBreakdown breakdown() const;
+
+  /// Parses the keys of config_keys() from `config` (marking them used).
+  static DefragSettings parse_settings(Config& config);
+
+ private:
+  /// One segment per maximal run of mapped pages.
+  [[nodiscard]] std::vector<SegmentView> segment_views() const;
+
+  std::unique_ptr<detail::DefragEngine> engine_;
+};
+
+static_assert(Policy<DefragPolicy>);
+
+}  // namespace cachealloc

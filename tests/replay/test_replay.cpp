@@ -1,0 +1,107 @@
+// test_replay.cpp: replays of the bundled real traces (recorded figures, every policy's
+// invariants, the native model's fidelity to the recorded reservations).
+#include "../support.h"
+
+#include <replay.h>
+
+#include <cachealloc/trace/snapshot.h>
+
+#include <catch2/catch.hpp>
+
+#include <string>
+
+using namespace cachealloc;
+
+namespace {
+
+struct Expected {
+  const char* file;
+  std::uint64_t recorded_peak;
+  std::uint64_t peak_requested;
+};
+
+const Expected kTraces[] = {
+    {"gpt2_train_varlen.pickle.xz", 28'705'816'576ull, 24'021'788'080ull},
+    {"resnet50_train.pickle.xz", 3'594'518'528ull, 3'192'592'912ull},
+    {"mlp_two_streams.pickle.xz", 3'458'203'648ull, 2'786'721'796ull},
+    {"resnet50_train_expandable.pickle.xz", 3'225'419'776ull, 3'192'592'912ull},
+};
+
+const replay::PreparedTrace& prepared(const std::string& file) {
+  static std::map<std::string, replay::PreparedTrace> cache;
+  auto it = cache.find(file);
+  if (it == cache.end()) {
+    const auto snapshot = trace::read_snapshot(std::string(CACHEALLOC_TRACE_DIR) + "/" + file);
+    it = cache.emplace(file, replay::prepare(snapshot, file)).first;
+  }
+  return it->second;
+}
+
+}  // namespace
+
+TEST_CASE("replay: the recorded native curve and peak requested bytes match PyTorch's figures",
+          "[replay]") {
+  for (const Expected& e : kTraces) {
+    INFO(e.file);
+    const replay::PreparedTrace& t = prepared(e.file);
+    CHECK(t.recorded_peak_reserved == e.recorded_peak);
+    CHECK(t.peak_requested == e.peak_requested);
+    CHECK(t.unmatched_frees == 0);
+  }
+}
+
+TEST_CASE("replay: every policy replays every bundled trace with its invariants intact",
+          "[replay]") {
+  const std::string policy = GENERATE(from_range(cachealloc::test::policy_names()));
+  for (const Expected& e : kTraces) {
+    INFO(e.file << " policy " << policy);
+    replay::ReplayOptions opts;
+    opts.check_every = 997;  // a prime, so checks land on every kind of operation
+    const replay::PolicyResult r = replay::run(prepared(e.file), policy, "", opts);
+    CHECK(r.error.empty());
+    CHECK(r.failed_allocations == 0);
+    CHECK(r.peak_requested == e.peak_requested);
+    CHECK(r.peak_reserved >= e.peak_requested);
+  }
+}
+
+TEST_CASE("replay: a small device makes allocations fail without corrupting anything", "[replay]") {
+  const std::string policy = GENERATE(from_range(cachealloc::test::policy_names()));
+  INFO("policy " << policy);
+  replay::ReplayOptions opts;
+  opts.capacity = 2 * kGiB;
+  opts.check_every = 101;
+  const replay::PolicyResult r = replay::run(prepared("resnet50_train.pickle.xz"), policy, "", opts);
+  CHECK(r.failed_allocations > 0);
+  CHECK(r.peak_reserved <= 2 * kGiB);
+}
+
+#ifdef CACHEALLOC_HAS_NATIVE
+TEST_CASE("replay: native makes exactly the recorded device reservations", "[replay][native]") {
+  for (const Expected& e : kTraces) {
+    INFO(e.file);
+    const replay::PreparedTrace& t = prepared(e.file);
+    replay::ReplayOptions opts;
+    opts.check_fidelity = true;
+    const replay::PolicyResult r =
+        replay::run(t, "native", replay::native_conf_from_settings(t.settings), opts);
+    REQUIRE(r.fidelity);
+    INFO(r.fidelity->detail);
+    CHECK_FALSE(r.fidelity->first_divergence_event);
+    CHECK(r.fidelity->model_segments == r.fidelity->recorded_segments);
+    CHECK(r.peak_reserved == e.recorded_peak);
+  }
+}
+#endif
+
+TEST_CASE("replay: native settings are taken from the trace", "[replay]") {
+  trace::AllocatorSettings s;
+  s.present = true;
+  s.expandable_segments = true;
+  s.max_split_size = 256 * static_cast<std::int64_t>(kMiB);
+  s.garbage_collection_threshold = 0.5;
+  s.roundup_power2_divisions = {{256, 1}, {512, 0}, {1024, 4}};
+  CHECK(replay::native_conf_from_settings(s) ==
+        "max_split_size_mb:256,garbage_collection_threshold:0.500000,expandable_segments:True,"
+        "roundup_power2_divisions:[256:1,1024:4]");
+}
