@@ -14,8 +14,9 @@ if [[ -f tools/tests/test_cpu.py ]] && python3 -c 'import pytest' 2>/dev/null; t
 fi
 if [[ "${CACHEALLOC_SANITIZERS:-${CI:-0}}" != 0 && "${CACHEALLOC_SANITIZERS:-1}" != 0 ]]; then
   for flavour in address thread; do
-    cmake -S . -B "build-$flavour" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCACHEALLOC_WERROR=ON \
-      -DCACHEALLOC_SANITIZER=$flavour -DCACHEALLOC_WITH_CUDA=OFF -DCACHEALLOC_BUILD_BENCH=ON
+    cmake -S . -B "build-$flavour" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+      -DCACHEALLOC_SANITIZER=$flavour -DCACHEALLOC_WITH_CUDA=OFF -DCACHEALLOC_BUILD_BENCH=ON \
+      -DCACHEALLOC_WERROR=OFF  # GCC 12 + sanitizers: false -Wmaybe-uninitialized in Catch2's std::regex
     cmake --build "build-$flavour" -j"$jobs" --target cachealloc_tests
     CACHEALLOC_RANDOM_OPS=${CACHEALLOC_SANITIZER_OPS:-200000} \
       ctest --test-dir "build-$flavour" --output-on-failure -j"$jobs"

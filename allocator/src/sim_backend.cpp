@@ -2,6 +2,7 @@
 #include <cachealloc/errors.h>
 #include <cachealloc/sim_backend.h>
 
+#include <algorithm>
 #include <string>
 
 namespace cachealloc {
@@ -59,6 +60,14 @@ void SimBackend::maybe_throw(SimCall kind) {
 void SimBackend::fail_call(std::uint64_t k, SimFault fault) {
   fail_at_ = k == 0 ? 0 : calls_ + k;
   fail_at_fault_ = fault;
+}
+
+void SimBackend::script_reservations(std::vector<std::pair<std::size_t, std::uintptr_t>> script) {
+  for (const auto& [bytes, addr] : script) {
+    bump_ = std::max(bump_, round_up(addr + bytes, 2 * kMiB));
+  }
+  script_ = std::move(script);
+  script_next_ = 0;
 }
 
 void SimBackend::fail_next(SimCall kind, SimFault fault) { fail_next_ = {{kind, fault}}; }
@@ -120,6 +129,30 @@ void* SimBackend::do_reserve(std::size_t bytes) {
     return nullptr;
   }
   const std::size_t rounded = round_up(bytes, 2 * kMiB);
+  if (script_next_ < script_.size()) {
+    if (script_[script_next_].first == bytes) {
+      const std::uintptr_t addr = script_[script_next_++].second;
+      // Carve the range out of the ranges given back earlier, if it lies in one.
+      auto it = free_ranges_.upper_bound(addr);
+      if (it != free_ranges_.begin() && std::prev(it)->first + std::prev(it)->second > addr) {
+        --it;
+        const std::uintptr_t start = it->first;
+        const std::size_t len = it->second;
+        free_ranges_.erase(it);
+        if (addr > start) {
+          free_ranges_.emplace(start, addr - start);
+        }
+        if (start + len > addr + rounded) {
+          free_ranges_.emplace(addr + rounded, start + len - (addr + rounded));
+        }
+      }
+      reservations_.emplace(addr, rounded);
+      return reinterpret_cast<void*>(addr);
+    }
+    script_.clear();  // the run differs from the recording: back to our own placement
+    script_next_ = 0;
+    free_ranges_.clear();
+  }
   const std::uintptr_t addr = take_range(free_ranges_, bump_, rounded, 2 * kMiB);
   reservations_.emplace(addr, rounded);
   return reinterpret_cast<void*>(addr);

@@ -106,7 +106,7 @@ PreparedTrace prepare(const trace::Snapshot& snapshot, std::string name, std::op
       }
       default:
         if (is_segment_action(e.action)) {
-          t.segments.push_back({e.action, e.size, i});
+          t.segments.push_back({e.action, e.size, i, e.addr});
           if (e.action == trace::Action::segment_alloc || e.action == trace::Action::segment_map) {
             reserved += e.size;
             t.recorded_peak_reserved = std::max(t.recorded_peak_reserved, reserved);
@@ -135,9 +135,13 @@ std::string native_conf_from_settings(const trace::AllocatorSettings& s) {
   if (s.expandable_segments) {
     add("expandable_segments:True");
   }
+  // In PyTorch's list form the first interval named also covers every interval below it, so once
+  // any entry is non-zero all of them are written, zeros included, to keep their meaning.
+  const bool any = std::any_of(s.roundup_power2_divisions.begin(), s.roundup_power2_divisions.end(),
+                               [](const auto& e) { return e.second != 0; });
   std::string divisions;
   for (const auto& [interval, div] : s.roundup_power2_divisions) {
-    if (div != 0) {
+    if (any) {
       divisions += (divisions.empty() ? "" : ",") + std::to_string(interval) + ":" + std::to_string(div);
     }
   }
@@ -183,6 +187,17 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
   sim_options.device = trace.device;
   auto backend = std::make_unique<SimBackend>(sim_options);
   SimBackend& sim = *backend;
+  if (policy == "native") {
+    // Best-fit ties in PyTorch's allocator go to the lower address: give the model the recorded
+    // run's reservation addresses so it breaks ties as the real device did (until it diverges).
+    std::vector<std::pair<std::size_t, std::uintptr_t>> script;
+    for (const SegmentEntry& seg : trace.segments) {
+      if (seg.action == trace::Action::segment_alloc) {
+        script.emplace_back(seg.size, seg.addr);
+      }
+    }
+    sim.script_reservations(std::move(script));
+  }
   Config config = Config::parse(conf);
   (void)config.take_string("policy");
   std::unique_ptr<DeviceAllocator> allocator = make_allocator(policy, std::move(backend), config);

@@ -39,6 +39,7 @@ struct SegmentEntry {
   trace::Action action;  // segment_alloc / segment_free / segment_map / segment_unmap
   std::uint64_t size;
   std::uint64_t trace_index;
+  std::uint64_t addr = 0;
 };
 
 struct PreparedTrace {

@@ -37,7 +37,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <deque>
 #include <limits>
 #include <memory_resource>
@@ -55,6 +54,8 @@ constexpr int kMaxPendingSkips = 32;
 constexpr int kUnmappedCandidates = 8;
 /// Unmerged neighbour pairs remembered before the policy closes an epoch on its own.
 constexpr std::size_t kDeferredLimit = 4096;
+/// With several streams, frees after which the next allocation closes the epoch.
+constexpr std::uint32_t kEpochFrees = 8;
 
 enum class State : std::uint8_t { live, mapped_free, unmapped_free, dead };
 
@@ -65,8 +66,10 @@ struct Arena;
 
 struct IndexKey {
   std::uint64_t bucket;  // mapped: kind << 32 | owner class; unmapped: kind
-  std::size_t size;
-  std::uintptr_t addr;
+  // Mutable so that a key whose new value keeps its place in the order can be updated in the
+  // tree without re-inserting it (DefragEngine::index_put).
+  mutable std::size_t size;
+  mutable std::uintptr_t addr;
   Node* node;
   friend bool operator<(const IndexKey& a, const IndexKey& b) noexcept {
     if (a.bucket != b.bucket) {
@@ -111,6 +114,14 @@ struct Fence {
   EventId event;
 };
 
+/// A stream that allocated here (its index is the "class" stored in ranges).
+struct StreamState {
+  StreamId id = 0;
+  std::deque<Fence> fences;  // events recorded on the stream, oldest first
+  std::uint64_t completed = 0;  // every epoch <= completed finished on this stream
+  bool dirty = false;           // freed something during the open epoch
+};
+
 class DefragEngine {
  public:
   DefragEngine(DeviceBackend& backend, const DefragSettings& settings);
@@ -149,21 +160,29 @@ class DefragEngine {
 
   // ---- streams and epochs ----
   std::uint32_t class_of(StreamId stream);
-  [[nodiscard]] bool safe(const Node* n) const noexcept { return n->stamp <= completed_; }
+  /// A hole is safe once its owner stream finished the work queued before the hole's last free
+  /// (other streams' uses finished before the free: policy.h, item 4).
+  [[nodiscard]] bool safe(const Node* n) const noexcept {
+    return n->stamp <= streams_[n->cls].completed;
+  }
   [[nodiscard]] bool usable(const Node* n, std::uint32_t cls) const noexcept {
     return n != nullptr && n->state == State::mapped_free && (n->cls == cls || safe(n));
   }
-  /// Two free neighbours merge unless both are mapped and pending on different streams (the
-  /// result is pending on the pending one's stream, or safe).
+  /// Two free neighbours merge when they are unmapped, or belong to one stream, or are both
+  /// safe. A pending hole is not merged with a safe hole of another stream: the result would be
+  /// pending, and a small free could lock a large hole away from every other stream.
   [[nodiscard]] bool mergeable(const Node* a, const Node* b) const noexcept {
-    return a->state == State::unmapped_free || a->cls == b->cls || safe(a) || safe(b);
+    return a->state == State::unmapped_free || a->cls == b->cls || (safe(a) && safe(b));
   }
   void mark_dirty(std::uint32_t cls) noexcept;
 
   void close_epoch();
   bool poll();
   void wait_all();
-  void update_completed() noexcept;
+  /// Waits until stream class `cls` finished every epoch <= `epoch` (closing the open epoch if
+  /// it is included).
+  void wait_until(std::uint32_t cls, std::uint64_t epoch);
+  void update_completed(StreamState& s) const noexcept;
   void process_deferred() noexcept;
   /// Remembers an unmerged pair of mapped holes (`left` and its right neighbour).
   void defer(Node* left) noexcept {
@@ -186,18 +205,20 @@ class DefragEngine {
   void age_remove(Node* n) noexcept;
   void age_update(Node* n) noexcept;
   void age_touch(Node* n) noexcept;
-  /// `left` takes over its right neighbour `right` (both free, same state, mergeable); when
-  /// their owners differ the result belongs to the pending one's, or (both safe) to `owner`.
-  void absorb(Node* left, Node* right, std::uint32_t owner) noexcept;
+  /// Merges neighbours `left` and `right` (both free, same state, mergeable) into one of them
+  /// (an indexed one when there is one: it keeps its tree node) and returns it. When their
+  /// owners differ the result belongs to the pending one's, or (both safe) to `owner`.
+  Node* absorb(Node* left, Node* right, std::uint32_t owner) noexcept;
   /// Merges free range `n` with every mergeable neighbour, remembers the pairs that must stay
   /// apart for now, and (re)indexes the result, which it returns. With `for_owner`, merges only
   /// with neighbours usable by stream class `owner`, so that the result stays usable by it.
   Node* merge_around(Node* n, std::uint32_t owner, bool for_owner = false) noexcept;
 
   // ---- placement ----
-  Node* find_mapped(std::uint32_t kind, std::uint32_t cls, std::size_t size) const;
-  /// True when some other stream's pending mapped hole would fit (usable after a wait).
-  [[nodiscard]] bool pending_hole_fits(std::uint32_t kind, std::uint32_t cls, std::size_t size) const;
+  /// Best fit among the stream's own mapped holes.
+  Node* find_own(std::uint32_t kind, std::uint32_t cls, std::size_t size) const;
+  /// Best fit among other streams' mapped holes that are safe.
+  Node* find_other(std::uint32_t kind, std::uint32_t cls, std::size_t size) const;
   Node* carve(Node* f, std::uintptr_t start, std::size_t size, std::uint32_t cls);
   Node* grow(std::uint32_t kind, std::uint32_t cls, std::size_t size);
   struct Placement {
@@ -207,10 +228,15 @@ class DefragEngine {
   Placement place_unmapped(std::uint32_t kind, std::uint32_t cls, std::size_t size) const;
   Arena* new_arena(std::uint32_t kind, std::size_t at_least);
   /// Pages for a block (Note [Where new pages come from]); false when the device is full.
-  bool gather_pages(std::size_t count, std::size_t size, const Node* hole);
+  bool gather_pages(std::size_t count, std::size_t size, const Node* hole, std::uint32_t cls);
   void create_pages(std::size_t count);
+  /// New pages the slack allows for a request of `size` bytes.
+  [[nodiscard]] std::size_t pages_within_slack(std::size_t size) const noexcept;
   std::size_t steal(std::size_t want, const Node* hole);
-  [[nodiscard]] bool has_pending_free_pages(const Node* hole) const noexcept;
+  /// The oldest epoch after whose completion on stream class `cls` `count` more whole free
+  /// pages of that stream (outside the hole's neighbours) could move; 0 when none could.
+  [[nodiscard]] std::uint64_t epoch_for_pages(std::size_t count, const Node* hole,
+                                              std::uint32_t cls) const;
   /// Unmaps up to `want` whole pages at the top of mapped hole `n` into scratch_.
   std::size_t take_pages(Node* n, std::size_t want);
   void release_scratch() noexcept;
@@ -233,21 +259,20 @@ class DefragEngine {
   Node* age_head_ = nullptr;
   Node* age_tail_ = nullptr;
 
-  std::vector<StreamId> streams_;
+  std::vector<StreamState> streams_;  // few streams: linear search
   StreamId last_stream_ = 0;
   std::uint32_t last_cls_ = 0;
   bool have_last_ = false;
-  std::vector<std::uint8_t> dirty_;
   std::vector<std::uint32_t> dirty_list_;
-  std::uint64_t epoch_ = 1;      // the open epoch: frees now are stamped with it
-  std::uint64_t completed_ = 0;  // every epoch <= completed_ finished on all its streams
-  std::deque<Fence> fences_;
+  std::uint64_t epoch_ = 1;  // the open epoch: frees now are stamped with it
+  std::uint32_t frees_in_epoch_ = 0;
   std::vector<Node*> deferred_;  // left halves of unmerged mapped neighbours
 
   std::vector<PhysicalHandle> scratch_;
   std::size_t held_pages_ = 0;
   std::size_t live_bytes_ = 0;
   std::size_t live_blocks_ = 0;
+  std::size_t peak_live_ = 0;  // highest live_bytes_ (+ the request) seen when growing
   std::uint64_t unsafe_unmaps_ = 0;
   DefragCounters counters_;
 };
@@ -301,8 +326,10 @@ DefragEngine::~DefragEngine() {
     }
     vm_.free_address(a->base, a->size);
   }
-  for (const Fence& f : fences_) {
-    backend_.destroy_event(f.event);
+  for (const StreamState& s : streams_) {
+    for (const Fence& f : s.fences) {
+      backend_.destroy_event(f.event);
+    }
   }
 }
 
@@ -339,12 +366,14 @@ std::uint32_t DefragEngine::class_of(StreamId stream) {
     return last_cls_;
   }
   std::uint32_t cls = 0;
-  while (cls < streams_.size() && streams_[cls] != stream) {
+  while (cls < streams_.size() && streams_[cls].id != stream) {
     ++cls;
   }
   if (cls == streams_.size()) {
-    streams_.push_back(stream);
-    dirty_.push_back(0);
+    StreamState s;
+    s.id = stream;
+    s.completed = epoch_ - 1;
+    streams_.push_back(std::move(s));
     dirty_list_.reserve(streams_.size());  // so that mark_dirty (in deallocate) never allocates
   }
   last_stream_ = stream;
@@ -354,14 +383,15 @@ std::uint32_t DefragEngine::class_of(StreamId stream) {
 }
 
 void DefragEngine::mark_dirty(std::uint32_t cls) noexcept {
-  if (dirty_[cls] == 0) {
-    dirty_[cls] = 1;
+  if (!streams_[cls].dirty) {
+    streams_[cls].dirty = true;
     dirty_list_.push_back(cls);
   }
 }
 
-void DefragEngine::update_completed() noexcept {
-  completed_ = fences_.empty() ? epoch_ - 1 : fences_.front().epoch - 1;
+void DefragEngine::update_completed(StreamState& s) const noexcept {
+  // A stream with no event outstanding finished everything up to the last closed epoch.
+  s.completed = s.fences.empty() ? epoch_ - 1 : s.fences.front().epoch - 1;
 }
 
 void DefragEngine::close_epoch() {
@@ -372,7 +402,7 @@ void DefragEngine::close_epoch() {
   events.reserve(dirty_list_.size());
   try {
     for (std::uint32_t cls : dirty_list_) {
-      events.push_back(backend_.record_event(streams_[cls]));
+      events.push_back(backend_.record_event(streams_[cls].id));
     }
   } catch (...) {
     for (EventId e : events) {
@@ -380,49 +410,69 @@ void DefragEngine::close_epoch() {
     }
     throw;
   }
-  for (EventId e : events) {
-    fences_.push_back(Fence{epoch_, e});
+  for (std::size_t i = 0; i < events.size(); ++i) {
+    StreamState& st = streams_[dirty_list_[i]];
+    st.fences.push_back(Fence{epoch_, events[i]});
+    st.dirty = false;
   }
   counters_.events_recorded += events.size();
-  for (std::uint32_t cls : dirty_list_) {
-    dirty_[cls] = 0;
-  }
   dirty_list_.clear();
+  frees_in_epoch_ = 0;
   ++epoch_;
-  update_completed();
+  for (StreamState& st : streams_) {
+    update_completed(st);
+  }
 }
 
 bool DefragEngine::poll() {
-  const std::uint64_t before = completed_;
-  while (!fences_.empty() && backend_.query_event(fences_.front().event)) {
-    backend_.destroy_event(fences_.front().event);
-    fences_.pop_front();
+  bool advanced = false;
+  for (StreamState& st : streams_) {
+    while (!st.fences.empty() && backend_.query_event(st.fences.front().event)) {
+      backend_.destroy_event(st.fences.front().event);
+      st.fences.pop_front();
+      update_completed(st);
+      advanced = true;
+    }
   }
-  update_completed();
-  return completed_ != before;
+  return advanced;
 }
 
 void DefragEngine::wait_all() {
   close_epoch();
-  if (fences_.empty()) {
+  for (std::uint32_t cls = 0; cls < streams_.size(); ++cls) {
+    wait_until(cls, epoch_ - 1);
+  }
+}
+
+void DefragEngine::wait_until(std::uint32_t cls, std::uint64_t epoch) {
+  if (epoch >= epoch_) {
+    close_epoch();
+  }
+  StreamState& st = streams_[cls];
+  if (st.fences.empty() || st.fences.front().epoch > epoch) {
     return;
   }
   ++counters_.stream_waits;
-  while (!fences_.empty()) {
-    backend_.synchronize_event(fences_.front().event);
-    backend_.destroy_event(fences_.front().event);
-    fences_.pop_front();
+  while (!st.fences.empty() && st.fences.front().epoch <= epoch) {
+    backend_.synchronize_event(st.fences.front().event);
+    backend_.destroy_event(st.fences.front().event);
+    st.fences.pop_front();
+    update_completed(st);
   }
-  update_completed();
 }
 
 void DefragEngine::process_deferred() noexcept {
   std::vector<Node*> pairs;
   pairs.swap(deferred_);  // merge_around() may defer pairs again
   for (Node* n : pairs) {
+    // n may have been recycled and reused since: any pair of mapped holes is fine to look at.
     if (n->state == State::mapped_free && n->next != nullptr &&
-        n->next->state == State::mapped_free && mergeable(n, n->next)) {
-      merge_around(n, n->cls);  // n may have been recycled and reused: any mapped hole is fine
+        n->next->state == State::mapped_free) {
+      if (mergeable(n, n->next)) {
+        merge_around(n, n->cls);
+      } else {
+        defer(n);  // both still pending: try again at the next completion
+      }
     }
   }
 }
@@ -489,7 +539,18 @@ IndexKey DefragEngine::key_of(const Node* n) const noexcept {
 void DefragEngine::index_put(Node* n) {
   Index& index = index_of(n);
   if (n->indexed) {
-    // Re-key in place: extract and re-insert the same tree node (no allocation).
+    const IndexKey key = key_of(n);
+    if (key.bucket == n->it->bucket) {
+      // Most changes keep the key between its neighbours: update it where it is.
+      const bool after_prev = n->it == index.begin() || *std::prev(n->it) < key;
+      const auto next = std::next(n->it);
+      if (after_prev && (next == index.end() || key < *next)) {
+        n->it->size = key.size;
+        n->it->addr = key.addr;
+        return;
+      }
+    }
+    // Otherwise extract and re-insert the same tree node (no allocation).
     auto handle = index.extract(n->it);
     handle.value() = key_of(n);
     n->it = index.insert(std::move(handle)).position;
@@ -537,36 +598,51 @@ void DefragEngine::age_touch(Node* n) noexcept {
   age_update(n);
 }
 
-void DefragEngine::absorb(Node* left, Node* right, std::uint32_t owner) noexcept {
-  index_remove(right);
-  age_remove(right);
+Node* DefragEngine::absorb(Node* left, Node* right, std::uint32_t owner) noexcept {
+  std::uint32_t cls = left->cls;
   if (left->cls != right->cls) {
     if (!safe(right)) {
-      left->cls = right->cls;
+      cls = right->cls;
     } else if (safe(left)) {
-      left->cls = owner;  // both safe: any stream may own the result
+      cls = owner;  // both safe: any stream may own the result
     }
   }
-  left->stamp = std::max(left->stamp, right->stamp);
-  left->size += right->size;
-  unlink(right);
-  recycle(right);
+  const bool keep_left = left->indexed || !right->indexed;
+  Node* keep = keep_left ? left : right;
+  Node* gone = keep_left ? right : left;
+  index_remove(gone);
+  age_remove(gone);
+  keep->cls = cls;
+  keep->stamp = std::max(left->stamp, right->stamp);
+  keep->addr = left->addr;
+  keep->size = left->size + right->size;
+  unlink(gone);
+  recycle(gone);
+  return keep;
 }
 
 Node* DefragEngine::merge_around(Node* n, std::uint32_t owner, bool for_owner) noexcept {
+  // for_owner: the fresh pages of a placement join every neighbour usable by its stream, even a
+  // safe hole of another stream next to a pending hole of its own (Note [Where new pages come
+  // from]: the block spans them).
   const auto joins = [&](const Node* a, const Node* b, const Node* neighbour) {
-    return b->state == a->state && mergeable(a, b) &&
-           (!for_owner || neighbour->state == State::unmapped_free || usable(neighbour, owner));
+    if (b->state != a->state) {
+      return false;
+    }
+    if (!for_owner || a->state == State::unmapped_free) {
+      return mergeable(a, b);
+    }
+    const Node* other = neighbour == a ? b : a;
+    return usable(neighbour, owner) && usable(other, owner);
   };
   // Merging can change the owner, which can make another neighbour mergeable: loop.
   for (;;) {
     if (Node* prev = n->prev; prev != nullptr && joins(prev, n, prev)) {
-      absorb(prev, n, owner);
-      n = prev;
+      n = absorb(prev, n, owner);
       continue;
     }
     if (Node* next = n->next; next != nullptr && joins(n, next, next)) {
-      absorb(n, next, owner);
+      n = absorb(n, next, owner);
       continue;
     }
     break;
@@ -599,30 +675,31 @@ Block DefragEngine::allocate(std::size_t bytes, StreamId stream) {
   const std::uint32_t kind =
       settings_.small_size != 0 && size <= settings_.small_size ? kSmall : kLarge;
   const std::uint32_t cls = class_of(stream);
-  if (deferred_.size() > kDeferredLimit) {
-    close_epoch();
-    if (poll()) {
-      process_deferred();
+  if ((streams_.size() > 1 && frees_in_epoch_ >= kEpochFrees) ||
+      deferred_.size() > kDeferredLimit) {
+    // Note [Physical pages and the streams that used them]: closing epochs as frees accumulate
+    // (not only at misses) lets the next miss find most free pages known safe without waiting.
+    try {
+      if (poll()) {
+        process_deferred();
+      }
+      close_epoch();
+    } catch (const DeviceError&) {  // only an optimisation here: the next miss tries again
     }
   }
   Node* block = nullptr;
-  if (Node* f = find_mapped(kind, cls, size)) {
+  if (Node* f = find_own(kind, cls, size)) {
     block = carve(f, f->addr, size, cls);
   } else {
-    // A miss: learn which epochs finished (maybe another stream's holes became usable), and
-    // close the open one so that pages freed until now can be moved at the next miss.
+    // A miss: learn which epochs finished and close the open one, so that pages freed until now
+    // can be moved (and other streams' holes reused) at the next miss without waiting.
     if (poll()) {
       process_deferred();
-      if (Node* g = find_mapped(kind, cls, size)) {
-        block = carve(g, g->addr, size, cls);
-      }
     }
+    close_epoch();
+    block = grow(kind, cls, size);
     if (block == nullptr) {
-      close_epoch();
-      block = grow(kind, cls, size);
-      if (block == nullptr) {
-        return {};
-      }
+      return {};
     }
   }
   return Block{reinterpret_cast<void*>(block->addr), block->size, block};
@@ -635,14 +712,19 @@ void DefragEngine::deallocate(Block block) noexcept {
   n->state = State::mapped_free;
   n->stamp = epoch_;
   mark_dirty(n->cls);
+  ++frees_in_epoch_;
   merge_around(n, n->cls);
 }
 
-Node* DefragEngine::find_mapped(std::uint32_t kind, std::uint32_t cls, std::size_t size) const {
+Node* DefragEngine::find_own(std::uint32_t kind, std::uint32_t cls, std::size_t size) const {
   const std::uint64_t own = std::uint64_t{kind} << 32 | cls;
   auto it = mapped_.lower_bound(IndexKey{own, size, 0, nullptr});
-  Node* best = it != mapped_.end() && it->bucket == own ? it->node : nullptr;
-  if (streams_.size() > 1) {
+  return it != mapped_.end() && it->bucket == own ? it->node : nullptr;
+}
+
+Node* DefragEngine::find_other(std::uint32_t kind, std::uint32_t cls, std::size_t size) const {
+  Node* best = nullptr;
+  {
     // Other streams' holes qualify once the epoch that freed them completed.
     for (std::uint32_t other = 0; other < streams_.size(); ++other) {
       if (other == cls) {
@@ -664,21 +746,6 @@ Node* DefragEngine::find_mapped(std::uint32_t kind, std::uint32_t cls, std::size
     }
   }
   return best;
-}
-
-bool DefragEngine::pending_hole_fits(std::uint32_t kind, std::uint32_t cls,
-                                     std::size_t size) const {
-  for (std::uint32_t other = 0; other < streams_.size(); ++other) {
-    const std::uint64_t bucket = std::uint64_t{kind} << 32 | other;
-    if (other == cls) {
-      continue;
-    }
-    auto it = mapped_.lower_bound(IndexKey{bucket, size, 0, nullptr});
-    if (it != mapped_.end() && it->bucket == bucket) {
-      return true;
-    }
-  }
-  return false;
 }
 
 Node* DefragEngine::carve(Node* f, std::uintptr_t start, std::size_t size, std::uint32_t cls) {
@@ -753,13 +820,6 @@ DefragEngine::Placement DefragEngine::place_unmapped(std::uint32_t kind, std::ui
 }
 
 Node* DefragEngine::grow(std::uint32_t kind, std::uint32_t cls, std::size_t size) {
-  if (std::getenv("V1") && settings_.wait_for_streams && streams_.size() > 1 && pending_hole_fits(kind, cls, size)) {
-    wait_all();
-    process_deferred();
-    if (Node* f = find_mapped(kind, cls, size)) {
-      return carve(f, f->addr, size, cls);
-    }
-  }
   Placement where = place_unmapped(kind, cls, size);
   if (where.hole == nullptr) {
     new_arena(kind, size);
@@ -775,8 +835,15 @@ Node* DefragEngine::grow(std::uint32_t kind, std::uint32_t cls, std::size_t size
   if (count == 0) {
     f = hole->prev;  // the block fits in the usable mapped hole on the left
   } else {
+    // Note [Stream affinity]: another stream's safe hole is taken only when the slack does not
+    // cover the new pages: it is that stream's cache, and taking it early makes that stream grow.
+    if (pages_within_slack(size) < count) {
+      if (Node* other = find_other(kind, cls, size)) {
+        return carve(other, other->addr, size, cls);
+      }
+    }
     ++counters_.grow_allocations;
-    if (!gather_pages(count, size, hole)) {
+    if (!gather_pages(count, size, hole, cls)) {
       return nullptr;
     }
     Arena& arena = *hole->arena;
@@ -815,20 +882,23 @@ Node* DefragEngine::grow(std::uint32_t kind, std::uint32_t cls, std::size_t size
   return carve(f, start, size, cls);
 }
 
-bool DefragEngine::gather_pages(std::size_t count, std::size_t size, const Node* hole) {
+bool DefragEngine::gather_pages(std::size_t count, std::size_t size, const Node* hole,
+                                std::uint32_t cls) {
   scratch_.clear();
   try {
-    const double allowed = (1.0 + settings_.grow_slack) * static_cast<double>(live_bytes_ + size) -
-                           static_cast<double>(reserved_bytes());
-    const std::size_t budget =
-        allowed > 0 ? static_cast<std::size_t>(allowed / static_cast<double>(page_)) : 0;
-    create_pages(std::min(count, budget));
+    create_pages(std::min(count, pages_within_slack(size)));
+    peak_live_ = std::max(peak_live_, live_bytes_ + size);
     if (scratch_.size() < count) {
       steal(count - scratch_.size(), hole);
     }
-    if (scratch_.size() < count && settings_.wait_for_streams && has_pending_free_pages(hole)) {
-      wait_all();
-      steal(count - scratch_.size(), hole);
+    if (scratch_.size() < count && settings_.wait_for_streams) {
+      // Wait for the allocating stream only (never block on another stream's work), and only
+      // for the oldest epochs that free enough pages.
+      const std::uint64_t epoch = epoch_for_pages(count - scratch_.size(), hole, cls);
+      if (epoch != 0) {
+        wait_until(cls, epoch);
+        steal(count - scratch_.size(), hole);
+      }
     }
     if (scratch_.size() < count) {
       create_pages(count - scratch_.size());
@@ -842,6 +912,15 @@ bool DefragEngine::gather_pages(std::size_t count, std::size_t size, const Node*
     return false;
   }
   return true;
+}
+
+std::size_t DefragEngine::pages_within_slack(std::size_t size) const noexcept {
+  // Note [Where new pages come from]: the slack is measured against the peak of live bytes so
+  // far, which bounds the peak reserved exactly as well and moves fewer pages below the peak.
+  const std::size_t peak = std::max(peak_live_, live_bytes_ + size);
+  const double allowed = (1.0 + settings_.grow_slack) * static_cast<double>(peak) -
+                         static_cast<double>(reserved_bytes());
+  return allowed > 0 ? static_cast<std::size_t>(allowed / static_cast<double>(page_)) : 0;
 }
 
 void DefragEngine::create_pages(std::size_t count) {
@@ -866,13 +945,26 @@ void DefragEngine::release_scratch() noexcept {
   scratch_.clear();
 }
 
-bool DefragEngine::has_pending_free_pages(const Node* hole) const noexcept {
+std::uint64_t DefragEngine::epoch_for_pages(std::size_t count, const Node* hole,
+                                            std::uint32_t cls) const {
+  std::vector<std::pair<std::uint64_t, std::size_t>> pending;  // (stamp, whole pages)
   for (const Node* n = age_head_; n != nullptr; n = n->age_next) {
-    if (n != hole->prev && n != hole->next && !safe(n)) {
-      return true;
+    if (n != hole->prev && n != hole->next && n->cls == cls && !safe(n)) {
+      pending.emplace_back(n->stamp, whole_pages(n));
     }
   }
-  return false;
+  if (pending.empty()) {
+    return 0;
+  }
+  std::sort(pending.begin(), pending.end());
+  std::size_t pages = 0;
+  for (const auto& [stamp, whole] : pending) {
+    pages += whole;
+    if (pages >= count) {
+      return stamp;
+    }
+  }
+  return pending.back().first;  // not enough: take all there is, create the rest
 }
 
 std::size_t DefragEngine::steal(std::size_t want, const Node* hole) {
@@ -1121,14 +1213,19 @@ void DefragEngine::check_invariants() const {
                              "the policy reports more physical memory than the backend holds");
   CACHEALLOC_CHECK_INVARIANT(unsafe_unmaps_ == 0,
                              "a page was unmapped while a stream use recorded on it was unfinished");
-  CACHEALLOC_CHECK_INVARIANT(completed_ < epoch_, "completed epoch not before the open one");
-  std::uint64_t last = 0;
-  for (const Fence& f : fences_) {
-    CACHEALLOC_CHECK_INVARIANT(f.epoch >= last && f.epoch < epoch_, "fences out of order");
-    last = f.epoch;
+  std::size_t dirty = 0;
+  for (const StreamState& st : streams_) {
+    std::uint64_t last = 0;
+    for (const Fence& f : st.fences) {
+      CACHEALLOC_CHECK_INVARIANT(f.epoch > last && f.epoch < epoch_, "fences out of order");
+      last = f.epoch;
+    }
+    CACHEALLOC_CHECK_INVARIANT(
+        st.completed == (st.fences.empty() ? epoch_ - 1 : st.fences.front().epoch - 1),
+        "a stream's completed epoch disagrees with its oldest fence");
+    dirty += st.dirty ? 1 : 0;
   }
-  CACHEALLOC_CHECK_INVARIANT(fences_.empty() || completed_ == fences_.front().epoch - 1,
-                             "completed epoch disagrees with the oldest fence");
+  CACHEALLOC_CHECK_INVARIANT(dirty == dirty_list_.size(), "dirty streams out of step");
 }
 
 std::vector<SegmentView> DefragEngine::segments() const {

@@ -1,8 +1,6 @@
 // native.cpp: policy `native` (PyTorch 2.11's CUDACachingAllocator): settings, rounding, the
 // malloc/free path and its retry chain, garbage collection and invariant checks.
 // Expandable segments live in native_expandable.cpp; the data structures in native_detail.h.
-#include "native_detail.h"
-
 #include <cachealloc/errors.h>
 #include <cachealloc/policies/native.h>
 
@@ -11,6 +9,8 @@
 #include <cmath>
 #include <limits>
 #include <string>
+
+#include "native_detail.h"
 
 namespace cachealloc {
 
@@ -43,8 +43,8 @@ std::size_t parse_count(std::string_view key, const std::string& text) {
     used = 0;
   }
   if (used == 0 || used != text.size() || text.front() == '-') {
-    throw ConfigError("CACHEALLOC_CONF: " + std::string(key) + ": expected a non-negative integer, got '" +
-                      text + "'");
+    throw ConfigError("CACHEALLOC_CONF: " + std::string(key) +
+                      ": expected a non-negative integer, got '" + text + "'");
   }
   return value;
 }
@@ -69,8 +69,10 @@ std::array<std::size_t, NativeSettings::kDivisionIntervals> parse_divisions(
   for (const auto& [interval, count] : items) {
     const std::size_t n = parse_count(key, count);
     if (n != 0 && !std::has_single_bit(n)) {
-      throw ConfigError("CACHEALLOC_CONF: " + key + ": the divisions must be a power of 2 or 0 (no "
-                        "rounding), got " + std::to_string(n) + " for '" + interval + "'");
+      throw ConfigError("CACHEALLOC_CONF: " + key +
+                        ": the divisions must be a power of 2 or 0 (no "
+                        "rounding), got " +
+                        std::to_string(n) + " for '" + interval + "'");
     }
     if (interval == ">") {
       // Every interval above the last one named.
@@ -81,11 +83,13 @@ std::array<std::size_t, NativeSettings::kDivisionIntervals> parse_divisions(
     }
     const std::size_t start_mb = parse_count(key, interval);
     if (!std::has_single_bit(start_mb)) {
-      throw ConfigError("CACHEALLOC_CONF: " + key + ": interval starts must be powers of 2 (in MiB), "
-                        "got '" + interval + "'");
+      throw ConfigError("CACHEALLOC_CONF: " + key +
+                        ": interval starts must be powers of 2 (in MiB), "
+                        "got '" +
+                        interval + "'");
     }
-    const std::size_t index =
-        std::min<std::size_t>(static_cast<std::size_t>(std::bit_width(start_mb) - 1), table.size() - 1);
+    const std::size_t index = std::min<std::size_t>(
+        static_cast<std::size_t>(std::bit_width(start_mb) - 1), table.size() - 1);
     if (first) {  // the first interval named also covers everything below it
       std::fill(table.begin(), table.begin() + static_cast<std::ptrdiff_t>(index), n);
       first = false;
@@ -100,19 +104,23 @@ std::array<std::size_t, NativeSettings::kDivisionIntervals> parse_divisions(
 
 NativeSettings NativeSettings::from_config(Config& config) {
   NativeSettings s;
-  // PyTorch: max_split_size_mb and max_non_split_rounding_mb must be at least kLargeBuffer (20 MiB).
+  // PyTorch: max_split_size_mb and max_non_split_rounding_mb must be at least kLargeBuffer (20
+  // MiB).
   if (auto v = config.take_bytes(kMaxSplit)) {
     if (*v < kLargeBuffer) {
-      throw ConfigError("CACHEALLOC_CONF: max_split_size_mb too small, must be >= 20 (MiB, the "
-                        "large-pool segment size, as PyTorch requires), got " +
-                        std::to_string(*v / kMiB) + (*v % kMiB != 0 ? "+ MiB" : " MiB"));
+      throw ConfigError(
+          "CACHEALLOC_CONF: max_split_size_mb too small, must be >= 20 (MiB, the "
+          "large-pool segment size, as PyTorch requires), got " +
+          std::to_string(*v / kMiB) + (*v % kMiB != 0 ? "+ MiB" : " MiB"));
     }
     s.max_split_size = *v;
   }
   if (auto v = config.take_bytes(kMaxNonSplitRounding)) {
     if (*v < kLargeBuffer) {
-      throw ConfigError("CACHEALLOC_CONF: max_non_split_rounding_mb too small, must be >= 20 (MiB, "
-                        "as PyTorch requires), got " + std::to_string(*v / kMiB) + " MiB");
+      throw ConfigError(
+          "CACHEALLOC_CONF: max_non_split_rounding_mb too small, must be >= 20 (MiB, "
+          "as PyTorch requires), got " +
+          std::to_string(*v / kMiB) + " MiB");
     }
     s.max_non_split_rounding_size = *v;
   }
@@ -121,8 +129,10 @@ NativeSettings NativeSettings::from_config(Config& config) {
   }
   if (auto v = config.take_double(kGcThreshold, 0.0, 1.0)) {
     if (!(*v > 0.0 && *v < 1.0)) {
-      throw ConfigError("CACHEALLOC_CONF: garbage_collection_threshold is invalid, set it in (0.0, "
-                        "1.0) (exclusive, as PyTorch requires), got " + std::to_string(*v));
+      throw ConfigError(
+          "CACHEALLOC_CONF: garbage_collection_threshold is invalid, set it in (0.0, "
+          "1.0) (exclusive, as PyTorch requires), got " +
+          std::to_string(*v));
     }
     s.garbage_collection_threshold = *v;
   }
@@ -146,7 +156,8 @@ std::size_t divisions_for(std::size_t size, const NativeSettings& s) noexcept {
   // Interval i covers [2^(20+i), 2^(21+i)); everything below 1 MiB uses interval 0, everything
   // from 32 GiB the last.
   const auto log2 = static_cast<std::size_t>(std::bit_width(size) - 1);
-  const std::size_t index = log2 > 20 ? std::min<std::size_t>(log2 - 20, s.roundup_power2_divisions.size() - 1) : 0;
+  const std::size_t index =
+      log2 > 20 ? std::min<std::size_t>(log2 - 20, s.roundup_power2_divisions.size() - 1) : 0;
   return s.roundup_power2_divisions[index];
 }
 
@@ -199,14 +210,17 @@ Core::Core(DeviceBackend& backend, const NativeSettings& settings)
   if (settings_.expandable_segments) {
     vm_ = backend_.virtual_memory();
     if (vm_ == nullptr) {
-      throw ConfigError("CACHEALLOC_CONF: expandable_segments:True needs a backend with virtual "
-                        "memory (cuMemMap); backend '" + std::string(backend_.name()) + "' has none");
+      throw ConfigError(
+          "CACHEALLOC_CONF: expandable_segments:True needs a backend with virtual "
+          "memory (cuMemMap); backend '" +
+          std::string(backend_.name()) + "' has none");
     }
     const std::size_t g = vm_->granularity();
     if (g == 0 || kSmallBuffer % g != 0 || kLargeBuffer % g != 0) {
-      throw ConfigError("CACHEALLOC_CONF: expandable_segments:True needs a page granularity that "
-                        "divides 2 MiB; backend '" + std::string(backend_.name()) + "' has " +
-                        std::to_string(g) + " bytes");
+      throw ConfigError(
+          "CACHEALLOC_CONF: expandable_segments:True needs a page granularity that "
+          "divides 2 MiB; backend '" +
+          std::string(backend_.name()) + "' has " + std::to_string(g) + " bytes");
     }
   }
 }
@@ -276,8 +290,8 @@ Block* Core::get_free_block(Pool& pool, std::size_t size, StreamId stream) {
       return b->size + (b->next != nullptr && !b->next->mapped ? b->next->size : 0);
     };
     auto next = std::next(it);
-    while (it->block->segment->expandable && next != pool.free_blocks.end() && next->stream == stream &&
-           expandable_size(next->block) < expandable_size(it->block)) {
+    while (it->block->segment->expandable && next != pool.free_blocks.end() &&
+           next->stream == stream && expandable_size(next->block) < expandable_size(it->block)) {
       it = next++;
     }
   }
@@ -331,7 +345,9 @@ Block* Core::alloc_found_block(Block* block, std::size_t size, bool split_remain
 
 void Core::cache(Block* block) {
   block->gc_count_base = block->pool->get_free_block_calls;
-  block->where = block->pool->free_blocks.insert(FreeEntry{block->stream, block->size, block->addr, block}).first;
+  block->where =
+      block->pool->free_blocks.insert(FreeEntry{block->stream, block->size, block->addr, block})
+          .first;
   cached_ += block->size;
 }
 
@@ -374,7 +390,8 @@ std::size_t Core::try_merge(Block* dst, Block* src) noexcept {
 // Core: reservations and their release
 // ------------------------------------------------------------------------------------------------
 
-void Core::record(SegmentEvent::Kind kind, std::uint64_t size, std::uint64_t addr, StreamId stream) noexcept {
+void Core::record(SegmentEvent::Kind kind, std::uint64_t size, std::uint64_t addr,
+                  StreamId stream) noexcept {
   if (record_) {
     try {
       events_.push_back(SegmentEvent{kind, size, addr, stream});
@@ -554,8 +571,8 @@ std::size_t Core::release_cached() {
 /// it reclaimed the excess (or nothing is left to free). PyTorch only does this under a memory
 /// fraction; here the allowed memory is the backend's usable memory (its limit, else its total).
 void Core::garbage_collect_cached_blocks() {
-  const auto gc_threshold = static_cast<std::size_t>(
-      settings_.garbage_collection_threshold * static_cast<double>(backend_.usable_memory()));
+  const auto gc_threshold = static_cast<std::size_t>(settings_.garbage_collection_threshold *
+                                                     static_cast<double>(backend_.usable_memory()));
   if (reserved_ <= gc_threshold) {
     return;
   }
@@ -647,7 +664,8 @@ void Core::check_invariants() const {
   for (std::size_t i = 0; i < segments_.size(); ++i) {
     const Segment& s = *segments_[i];
     CACHEALLOC_CHECK_INVARIANT(s.index == i, "segment index out of date");
-    CACHEALLOC_CHECK_INVARIANT(s.head != nullptr && s.head->prev == nullptr, "segment head is not first");
+    CACHEALLOC_CHECK_INVARIANT(s.head != nullptr && s.head->prev == nullptr,
+                               "segment head is not first");
     CACHEALLOC_CHECK_INVARIANT(s.head->addr == s.addr, "segment head does not start the segment");
     std::uintptr_t expect = s.addr;
     const Block* prev = nullptr;
@@ -659,16 +677,19 @@ void Core::check_invariants() const {
       CACHEALLOC_CHECK_INVARIANT(b->size > 0, "empty block");
       CACHEALLOC_CHECK_INVARIANT(b->stream == s.stream, "block stream differs from its segment's");
       CACHEALLOC_CHECK_INVARIANT(b->pool == s.pool, "block pool differs from its segment's");
-      CACHEALLOC_CHECK_INVARIANT(s.expandable || b->mapped, "unmapped block in a plain reservation");
+      CACHEALLOC_CHECK_INVARIANT(s.expandable || b->mapped,
+                                 "unmapped block in a plain reservation");
       CACHEALLOC_CHECK_INVARIANT(!(b->allocated && !b->mapped), "allocated block is not mapped");
       if (prev != nullptr && !prev->allocated && !b->allocated) {
-        CACHEALLOC_CHECK_INVARIANT(prev->mapped != b->mapped, "two free neighbours were not merged");
+        CACHEALLOC_CHECK_INVARIANT(prev->mapped != b->mapped,
+                                   "two free neighbours were not merged");
       }
       if (!b->allocated) {
         if (b->mapped) {
           auto entry = b->pool->free_blocks.find(SizeKey{b->stream, b->size, b->addr});
-          CACHEALLOC_CHECK_INVARIANT(entry != b->pool->free_blocks.end() && entry->block == b && entry == b->where,
-                                     "free block missing from its pool");
+          CACHEALLOC_CHECK_INVARIANT(
+              entry != b->pool->free_blocks.end() && entry->block == b && entry == b->where,
+              "free block missing from its pool");
           cached += b->size;
           ++(b->pool->small ? free_small : free_large);
         } else {
@@ -688,14 +709,16 @@ void Core::check_invariants() const {
       reserved += s.size;
     }
   }
-  CACHEALLOC_CHECK_INVARIANT(free_small == small_.free_blocks.size() && free_large == large_.free_blocks.size(),
-                             "a pool's free set holds blocks that are not free");
+  CACHEALLOC_CHECK_INVARIANT(
+      free_small == small_.free_blocks.size() && free_large == large_.free_blocks.size(),
+      "a pool's free set holds blocks that are not free");
   CACHEALLOC_CHECK_INVARIANT(
       unmapped_small == small_.unmapped.size() && unmapped_large == large_.unmapped.size(),
       "a pool's unmapped set holds blocks that are not unmapped");
   CACHEALLOC_CHECK_INVARIANT(blocks == arena_.live(), "block leaked or double-counted");
-  CACHEALLOC_CHECK_INVARIANT(reserved == reserved_, "running reserved total is wrong: " +
-                                                        std::to_string(reserved_) + " vs " + std::to_string(reserved));
+  CACHEALLOC_CHECK_INVARIANT(reserved == reserved_,
+                             "running reserved total is wrong: " + std::to_string(reserved_) +
+                                 " vs " + std::to_string(reserved));
   CACHEALLOC_CHECK_INVARIANT(cached == cached_, "running cached total is wrong");
 }
 
@@ -713,7 +736,9 @@ NativePolicy::NativePolicy(DeviceBackend& backend, const NativeSettings& setting
 
 NativePolicy::~NativePolicy() = default;
 
-Block NativePolicy::allocate(std::size_t bytes, StreamId stream) { return core_->allocate(bytes, stream); }
+Block NativePolicy::allocate(std::size_t bytes, StreamId stream) {
+  return core_->allocate(bytes, stream);
+}
 
 void NativePolicy::deallocate(Block block, StreamId /*stream*/) noexcept {
   core_->deallocate(static_cast<native_detail::Block*>(block.cookie));
@@ -723,13 +748,15 @@ std::size_t NativePolicy::release_cached() { return core_->release_cached(); }
 std::size_t NativePolicy::reserved_bytes() const noexcept { return core_->reserved(); }
 void NativePolicy::check_invariants() const { core_->check_invariants(); }
 
-void NativePolicy::visit_segments_impl(const std::function<void(const SegmentView&)>& visitor) const {
+void NativePolicy::visit_segments_impl(
+    const std::function<void(const SegmentView&)>& visitor) const {
   core_->visit_segments(visitor);
 }
 
 std::string_view NativePolicy::oom_hint() {
   return "If reserved but unallocated memory is large, try CACHEALLOC_CONF=policy:native,"
-         "expandable_segments:True to avoid fragmentation (PyTorch's own advice for its allocator).";
+         "expandable_segments:True to avoid fragmentation (PyTorch's own advice for its "
+         "allocator).";
 }
 
 const NativeSettings& NativePolicy::settings() const noexcept { return core_->settings(); }
@@ -737,7 +764,9 @@ const NativeCounters& NativePolicy::counters() const noexcept { return core_->co
 std::size_t NativePolicy::cached_bytes() const noexcept { return core_->cached(); }
 std::size_t NativePolicy::segment_count() const noexcept { return core_->segment_count(); }
 void NativePolicy::set_record_segments(bool on) { core_->set_record(on); }
-const std::vector<SegmentEvent>& NativePolicy::segment_events() const noexcept { return core_->events(); }
+const std::vector<SegmentEvent>& NativePolicy::segment_events() const noexcept {
+  return core_->events();
+}
 void NativePolicy::clear_segment_events() noexcept { core_->clear_events(); }
 
 }  // namespace cachealloc

@@ -279,9 +279,12 @@ class Core {
   void release_blocks(Pool& pool);
   void remove_segment(Segment* segment) noexcept;
   Segment* add_segment(std::uintptr_t addr, std::size_t size, StreamId stream, Pool& pool);
-  void record(SegmentEvent::Kind kind, std::uint64_t size, std::uint64_t addr, StreamId stream) noexcept;
+  void record(SegmentEvent::Kind kind, std::uint64_t size, std::uint64_t addr,
+              StreamId stream) noexcept;
   void reserve_spares(std::size_t blocks, std::size_t events);
-  [[nodiscard]] bool gc_enabled() const noexcept { return settings_.garbage_collection_threshold > 0.0; }
+  [[nodiscard]] bool gc_enabled() const noexcept {
+    return settings_.garbage_collection_threshold > 0.0;
+  }
   // ---- expandable segments (native_expandable.cpp) ----
   Block* try_allocate_expandable_block(Pool& pool, std::size_t size, StreamId stream);
   Block* find_expandable_block(Pool& pool, std::size_t size, StreamId stream);

@@ -10,12 +10,12 @@
 // growth step with the bytes it mapped. On release, every whole page inside a free block is
 // unmapped (one segment_unmap entry per free block), and a range with nothing mapped left is given
 // back. Reserved bytes are the mapped bytes.
-#include "native_detail.h"
-
 #include <cachealloc/errors.h>
 
 #include <algorithm>
 #include <exception>
+
+#include "native_detail.h"
 
 namespace cachealloc::native_detail {
 
@@ -160,6 +160,9 @@ Block* Core::try_allocate_expandable_block(Pool& pool, std::size_t size, StreamI
   }
   while (candidate->size < size) {
     Block* next = candidate->next;  // unmapped: free mapped neighbours are always merged
+    if (next == nullptr) {
+      return nullptr;  // a request larger than a whole address range (1 1/8 of the device)
+    }
     if (!map_block(next, std::min(size - candidate->size, next->size))) {
       return nullptr;
     }

@@ -6,7 +6,6 @@
 #include <cachealloc/sim_backend.h>
 
 #include <catch2/catch.hpp>
-
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -76,8 +75,8 @@ TEST_CASE("native: rounding to 512 bytes and power-of-two divisions", "[native]"
   CHECK(native_round_size(3 * MiB + 1, plain) == 3 * MiB + 512);
 
   const NativeSettings four = settings_from("roundup_power2_divisions:4");
-  CHECK(native_round_size(1200, four) == 1536);       // not above 512 * 4: plain rounding
-  CHECK(native_round_size(2049, four) == 2560);       // steps of 512 between 2048 and 4096
+  CHECK(native_round_size(1200, four) == 1536);  // not above 512 * 4: plain rounding
+  CHECK(native_round_size(2049, four) == 2560);  // steps of 512 between 2048 and 4096
   CHECK(native_round_size(3 * MiB + 1, four) == 3 * MiB + MiB / 2);
   CHECK(native_round_size(4 * MiB, four) == 4 * MiB);  // powers of two stay
   CHECK(native_round_size(5 * MiB, four) == 5 * MiB);  // already on a step
@@ -109,13 +108,15 @@ TEST_CASE("native: settings are validated as PyTorch validates them", "[native][
   CHECK_THROWS_AS(settings_from("roundup_power2_divisions:[100:2]"), ConfigError);
   CHECK_THROWS_AS(settings_from("roundup_power2_divisions:[256:3]"), ConfigError);
   CHECK_THROWS_AS(settings_from("roundup_power2_divisions:[256:x]"), ConfigError);
-  CHECK_THROWS_WITH(settings_from("max_split_size_mb:19"), Catch::Contains("max_split_size_mb too small"));
+  CHECK_THROWS_WITH(settings_from("max_split_size_mb:19"),
+                    Catch::Contains("max_split_size_mb too small"));
   CHECK(settings_from("max_split_size_mb:20").max_split_size == 20 * MiB);
   CHECK(settings_from("max_split_size_mb:512").max_split_size == 512 * MiB);
   CHECK_THROWS_AS(settings_from("max_non_split_rounding_mb:10"), ConfigError);
   CHECK_THROWS_AS(settings_from("garbage_collection_threshold:1.0"), ConfigError);
   CHECK_THROWS_AS(settings_from("garbage_collection_threshold:0"), ConfigError);
-  CHECK(settings_from("garbage_collection_threshold:0.6").garbage_collection_threshold == Approx(0.6));
+  CHECK(settings_from("garbage_collection_threshold:0.6").garbage_collection_threshold ==
+        Approx(0.6));
   CHECK(settings_from("expandable_segments:True").expandable_segments);
   CHECK_FALSE(settings_from("expandable_segments:False").expandable_segments);
   CHECK_THROWS_AS(settings_from("expandable_segments:maybe"), ConfigError);
@@ -131,8 +132,8 @@ TEST_CASE("native: pool choice and reservation sizes", "[native]") {
   CHECK(native_allocation_size(11 * MiB + 512) == 12 * MiB);
 
   Fixture f;
-  Block small = f.alloc(MiB);        // small pool: a 2 MiB reservation
-  Block large = f.alloc(MiB + 1);    // large pool: 20 MiB
+  Block small = f.alloc(MiB);         // small pool: a 2 MiB reservation
+  Block large = f.alloc(MiB + 1);     // large pool: 20 MiB
   Block big = f.alloc(25 * MiB + 7);  // too big for the 19 MiB left: own reservation, 2 MiB units
   CHECK(f.events() == "a2M a20M a26M");
   CHECK(f.policy.reserved_bytes() == 48 * MiB);
@@ -140,7 +141,8 @@ TEST_CASE("native: pool choice and reservation sizes", "[native]") {
   // A second small request is carved from the small reservation, not the large one.
   Block small2 = f.alloc(4096);
   CHECK(f.events() == "a2M a20M a26M");
-  CHECK(reinterpret_cast<std::uintptr_t>(small2.ptr) == reinterpret_cast<std::uintptr_t>(small.ptr) + MiB);
+  CHECK(reinterpret_cast<std::uintptr_t>(small2.ptr) ==
+        reinterpret_cast<std::uintptr_t>(small.ptr) + MiB);
   for (Block b : {small, large, big, small2}) {
     f.free(b);
   }
@@ -264,9 +266,9 @@ TEST_CASE("native: out of memory frees cached blocks and retries", "[native][oom
   SECTION("release oversize blocks first when max_split_size is set") {
     Fixture f("max_split_size_mb:40", 100 * MiB);
     Block a = f.alloc(50 * MiB);
-    Block b = f.alloc(45 * MiB);  // 46 MiB
+    Block b = f.alloc(45 * MiB);    // 46 MiB
     Block keep = f.alloc(2 * MiB);  // 20 MiB would not fit: 96 + 20 > 100
-    CHECK_FALSE(keep);  // ... even after releasing: a and b are live
+    CHECK_FALSE(keep);              // ... even after releasing: a and b are live
     f.free(a);
     f.free(b);
     Block c = f.alloc(60 * MiB);  // frees the largest oversize blocks (50, then 46), not all
@@ -278,7 +280,8 @@ TEST_CASE("native: out of memory frees cached blocks and retries", "[native][oom
   }
   SECTION("a split reservation in use stays; the front end raises OutOfMemory") {
     Config none;
-    CachingAllocator<NativePolicy> alloc(std::make_unique<SimBackend>(SimOptions{0, 100 * MiB}), none);
+    CachingAllocator<NativePolicy> alloc(std::make_unique<SimBackend>(SimOptions{0, 100 * MiB}),
+                                         none);
     void* p = alloc.allocate(5 * MiB, 0);  // 20 MiB reservation, split
     void* q = alloc.allocate(30 * MiB, 0);
     alloc.deallocate(q);
@@ -317,13 +320,15 @@ TEST_CASE("native: garbage collection frees the oldest cached reservations", "[n
   off.free(second);
 }
 
-TEST_CASE("native: expandable segments grow in pages and unmap on release", "[native][expandable]") {
+TEST_CASE("native: expandable segments grow in pages and unmap on release",
+          "[native][expandable]") {
   Fixture f("expandable_segments:True");
   Block a = f.alloc(5 * MiB);  // large pool: one 20 MiB page
   CHECK(f.events() == "m20M");
   Block b = f.alloc(30 * MiB);  // 15 MiB free at the end + one more page
   CHECK(f.events() == "m20M m20M");
-  CHECK(reinterpret_cast<std::uintptr_t>(b.ptr) == reinterpret_cast<std::uintptr_t>(a.ptr) + 5 * MiB);
+  CHECK(reinterpret_cast<std::uintptr_t>(b.ptr) ==
+        reinterpret_cast<std::uintptr_t>(a.ptr) + 5 * MiB);
   Block s = f.alloc(1000);  // small pool: its own range, 2 MiB pages
   CHECK(f.events() == "m20M m20M m2M");
   CHECK(f.policy.reserved_bytes() == 42 * MiB);
@@ -339,7 +344,8 @@ TEST_CASE("native: expandable segments grow in pages and unmap on release", "[na
   CHECK(f.policy.reserved_bytes() == 22 * MiB);
   // Growth refills the lowest hole, joined to the free block before it.
   Block d = f.alloc(25 * MiB);
-  CHECK(reinterpret_cast<std::uintptr_t>(d.ptr) == reinterpret_cast<std::uintptr_t>(a.ptr) + 5 * MiB);
+  CHECK(reinterpret_cast<std::uintptr_t>(d.ptr) ==
+        reinterpret_cast<std::uintptr_t>(a.ptr) + 5 * MiB);
   CHECK(f.events() == "m20M m20M m2M u20M m20M");
   // Blocks split down to 512 bytes in expandable segments, whatever the pool.
   Block c = f.alloc(5 * MiB - 512 * 3);
@@ -372,7 +378,8 @@ TEST_CASE("native: expandable best fit prefers blocks that cannot grow", "[nativ
   }
 }
 
-TEST_CASE("native: failures while mapping leave a consistent state", "[native][expandable][faults]") {
+TEST_CASE("native: failures while mapping leave a consistent state",
+          "[native][expandable][faults]") {
   Fixture f("expandable_segments:True", 200 * MiB);
   f.backend.fail_next(SimCall::create_physical);  // out of memory once: the retry chain recovers
   Block a = f.alloc(30 * MiB);
@@ -387,6 +394,34 @@ TEST_CASE("native: failures while mapping leave a consistent state", "[native][e
   f.free(a);
   f.policy.release_cached();
   CHECK(f.backend.live_physical() == 0);
+}
+
+TEST_CASE("native: snapshots list reservations and mapped ranges with their blocks", "[native]") {
+  Fixture f;
+  Block a = f.alloc(3 * MiB);
+  Block b = f.alloc(100);
+  std::vector<SegmentView> seen;
+  f.policy.visit_segments([&](const SegmentView& s) { seen.push_back(s); });
+  REQUIRE(seen.size() == 2);
+  for (const SegmentView& s : seen) {
+    REQUIRE(s.blocks.size() == 2);  // the allocation and the free rest
+    CHECK(s.blocks[0].allocated);
+    CHECK_FALSE(s.blocks[1].allocated);
+    CHECK(s.size == (s.small_pool ? 2 * MiB : 20 * MiB));
+  }
+  f.free(a);
+  f.free(b);
+
+  Fixture g("expandable_segments:True");
+  Block c = g.alloc(5 * MiB);
+  Block d = g.alloc(30 * MiB);
+  g.free(c);
+  seen.clear();
+  g.policy.visit_segments([&](const SegmentView& s) { seen.push_back(s); });
+  REQUIRE(seen.size() == 1);  // only the mapped 40 MiB, not the reserved address range
+  CHECK(seen[0].size == 40 * MiB);
+  CHECK(seen[0].blocks.size() == 3);
+  g.free(d);
 }
 
 TEST_CASE("native: segment events are recorded only when asked", "[native]") {
@@ -412,7 +447,8 @@ namespace {
 /// after every step and no two live blocks overlapping.
 void random_run(const std::string& conf, std::uint32_t seed, std::size_t capacity, int steps) {
   Config config = Config::parse(conf);
-  CachingAllocator<NativePolicy> alloc(std::make_unique<SimBackend>(SimOptions{0, capacity}), config);
+  CachingAllocator<NativePolicy> alloc(std::make_unique<SimBackend>(SimOptions{0, capacity}),
+                                       config);
   std::mt19937 rng(seed);
   struct Live {
     void* ptr;
@@ -422,12 +458,18 @@ void random_run(const std::string& conf, std::uint32_t seed, std::size_t capacit
   std::map<std::uintptr_t, std::size_t> ranges;
   auto size_of = [&]() -> std::size_t {
     switch (rng() % 6) {
-      case 0: return 1 + rng() % 4096;
-      case 1: return 1 + rng() % MiB;
-      case 2: return MiB + rng() % (9 * MiB);
-      case 3: return 10 * MiB + rng() % (40 * MiB);
-      case 4: return (1 + rng() % 8) * 2 * MiB;  // exact multiples: equal-size ties
-      default: return 100 * MiB + rng() % (200 * MiB);
+      case 0:
+        return 1 + rng() % 4096;
+      case 1:
+        return 1 + rng() % MiB;
+      case 2:
+        return MiB + rng() % (9 * MiB);
+      case 3:
+        return 10 * MiB + rng() % (40 * MiB);
+      case 4:
+        return (1 + rng() % 8) * 2 * MiB;  // exact multiples: equal-size ties
+      default:
+        return 100 * MiB + rng() % (200 * MiB);
     }
   };
   for (int step = 0; step < steps; ++step) {
@@ -477,7 +519,9 @@ TEST_CASE("native: randomized sequences keep every invariant", "[native][random]
   SECTION("max_split_size and divisions") {
     random_run("max_split_size_mb:64,roundup_power2_divisions:[1:2,64:4,>:8]", 2, capacity, 3000);
   }
-  SECTION("garbage collection") { random_run("garbage_collection_threshold:0.3", 3, capacity, 3000); }
+  SECTION("garbage collection") {
+    random_run("garbage_collection_threshold:0.3", 3, capacity, 3000);
+  }
   SECTION("expandable segments") { random_run("expandable_segments:True", 4, capacity, 3000); }
   SECTION("expandable with max_split_size") {
     random_run("expandable_segments:True,max_split_size_mb:100", 5, capacity, 3000);

@@ -103,5 +103,5 @@ TEST_CASE("replay: native settings are taken from the trace", "[replay]") {
   s.roundup_power2_divisions = {{256, 1}, {512, 0}, {1024, 4}};
   CHECK(replay::native_conf_from_settings(s) ==
         "max_split_size_mb:256,garbage_collection_threshold:0.500000,expandable_segments:True,"
-        "roundup_power2_divisions:[256:1,1024:4]");
+        "roundup_power2_divisions:[256:1,512:0,1024:4]");
 }

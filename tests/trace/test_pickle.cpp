@@ -1,10 +1,9 @@
 // test_pickle.cpp: the safe pickle decoder and the encoder: every data opcode of protocols 0-5,
 // refusal of every code-running opcode, hostile lengths and structures, truncation and fuzzing.
-#include <catch2/catch.hpp>
-
 #include <unistd.h>
 
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
@@ -34,7 +33,11 @@ using Catch::Matchers::Contains;
 
 namespace {
 
+#ifdef CACHEALLOC_TEST_DATA_DIR
+const std::filesystem::path kDataDir(CACHEALLOC_TEST_DATA_DIR);
+#else
 const std::filesystem::path kDataDir = std::filesystem::path(CACHEALLOC_TRACE_DIR).parent_path();
+#endif
 
 std::string read_file(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
@@ -90,7 +93,10 @@ Value expected_fixture(int protocol) {
       {"nested", Value::dict({{"a", Value::dict({{"b", "c"}})}})},
       {"shared", Value::list({shared, shared})},
   };
-  if (protocol >= 3) d.items.emplace_back("bytes", Value::bytes(bytes_of(std::string_view("\x00\xff" "ab", 4))));
+  if (protocol >= 3)
+    d.items.emplace_back("bytes", Value::bytes(bytes_of(std::string_view("\x00\xff"
+                                                                         "ab",
+                                                                         4))));
   if (protocol >= 4) {
     d.items.emplace_back("set", Value::set({7}));
     d.items.emplace_back("frozen", Value::set({8}));
@@ -103,10 +109,12 @@ std::string marker_path() { return "/tmp/cachealloc_pwned_" + std::to_string(::g
 
 }  // namespace
 
-TEST_CASE("pickle: Python's pickles of every protocol decode to the expected values", "[trace][pickle]") {
+TEST_CASE("pickle: Python's pickles of every protocol decode to the expected values",
+          "[trace][pickle]") {
   for (int protocol = 0; protocol <= 5; ++protocol) {
     INFO("protocol " << protocol);
-    const std::string data = read_file(kDataDir / "pickles" / ("protocol" + std::to_string(protocol) + ".pickle"));
+    const std::string data =
+        read_file(kDataDir / "pickles" / ("protocol" + std::to_string(protocol) + ".pickle"));
     const Value v = decode(data);
     CHECK(v == expected_fixture(protocol));
     const Dict& d = v.as_dict();
@@ -136,19 +144,25 @@ TEST_CASE("pickle: protocol-0 and Python 2 text opcodes", "[trace][pickle]") {
   CHECK(decode("(I1\nI2\nl.") == Value::list({1, 2}));
   CHECK(decode("(I1\nI2\nt.") == Value::tuple({1, 2}));
   CHECK(decode("(VK\nI2\nd.") == Value::dict({{"K", 2}}));
-  CHECK(decode("I7\np5\n0g5\n.") == Value(7));  // PUT, POP, GET
-  CHECK(decode("I1\n(I2\nI3\n1.") == Value(1));  // POP_MARK
-  CHECK(decode("]2I1\na0.") == Value::list({1}));  // DUP shares the list
+  CHECK(decode("I7\np5\n0g5\n.") == Value(7));                          // PUT, POP, GET
+  CHECK(decode("I1\n(I2\nI3\n1.") == Value(1));                         // POP_MARK
+  CHECK(decode("]2I1\na0.") == Value::list({1}));                       // DUP shares the list
   CHECK(decode(std::string_view("\x80\x02\x8a\x00.", 5)) == Value(0));  // LONG1 of zero bytes
-  CHECK(decode(std::string_view("\x80\x02\x8b\x02\x00\x00\x00\xff\x7f.", 10)) == Value(32767));  // LONG4
-  CHECK(decode(std::string_view("\x80\x02\x8a\x10\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff.", 21)) ==
-        Value(-1));  // redundant sign bytes
+  CHECK(decode(std::string_view("\x80\x02\x8b\x02\x00\x00\x00\xff\x7f.", 10)) ==
+        Value(32767));  // LONG4
+  CHECK(decode(std::string_view(
+            "\x80\x02\x8a\x10\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff.",
+            21)) == Value(-1));  // redundant sign bytes
 }
 
 TEST_CASE("pickle: a sparse memo index stores nothing huge", "[trace][pickle]") {
   // LONG_BINPUT 0xFFFFFFFF must not size a vector to 4 billion entries.
-  CHECK(decode(std::string_view("\x80\x02K\x09r\xff\xff\xff\xff" "0j\xff\xff\xff\xff.", 16)) == Value(9));
-  CHECK_THAT(decode_error(std::string_view("\x80\x02K\x09r\xff\xff\xff\xff" "0j\x01\x00\x00\x00.", 16)),
+  CHECK(decode(std::string_view("\x80\x02K\x09r\xff\xff\xff\xff"
+                                "0j\xff\xff\xff\xff.",
+                                16)) == Value(9));
+  CHECK_THAT(decode_error(std::string_view("\x80\x02K\x09r\xff\xff\xff\xff"
+                                           "0j\x01\x00\x00\x00.",
+                                           16)),
              Contains("memo entry 1 was never stored"));
 }
 
@@ -157,11 +171,23 @@ TEST_CASE("pickle: encode_pickle round-trips every kind and boundary", "[trace][
     const Value v = expected_fixture(protocol);
     CHECK(decode(encode_pickle(v)) == v);
   }
-  const std::vector<Value> numbers = {
-      0, 255, 256, 65535, 65536, -1, -256, std::numeric_limits<std::int32_t>::min(),
-      std::numeric_limits<std::int32_t>::max(), std::int64_t{std::numeric_limits<std::int32_t>::max()} + 1,
-      std::numeric_limits<std::int64_t>::min(), std::numeric_limits<std::int64_t>::max(),
-      std::uint64_t{1} << 63, std::numeric_limits<std::uint64_t>::max(), 0.1, -0.0, 1e300};
+  const std::vector<Value> numbers = {0,
+                                      255,
+                                      256,
+                                      65535,
+                                      65536,
+                                      -1,
+                                      -256,
+                                      std::numeric_limits<std::int32_t>::min(),
+                                      std::numeric_limits<std::int32_t>::max(),
+                                      std::int64_t{std::numeric_limits<std::int32_t>::max()} + 1,
+                                      std::numeric_limits<std::int64_t>::min(),
+                                      std::numeric_limits<std::int64_t>::max(),
+                                      std::uint64_t{1} << 63,
+                                      std::numeric_limits<std::uint64_t>::max(),
+                                      0.1,
+                                      -0.0,
+                                      1e300};
   for (const Value& n : numbers) {
     INFO(n.repr());
     CHECK(decode(encode_pickle(n)) == n);
@@ -172,9 +198,10 @@ TEST_CASE("pickle: encode_pickle round-trips every kind and boundary", "[trace][
     many.emplace_back(i % 7 == 0 ? Value("k" + std::to_string(i % 300)) : Value(i));
     big.items.emplace_back("key" + std::to_string(i), Value::tuple({i, "v"}));
   }
-  const Value lists = Value::list({Value::list(many), Value::set(many), Value::tuple(many), Value::dict(big),
-                                   Value::list({Value::list({})}), std::string(70000, 'x'),
-                                   Value::bytes(Bytes(300, std::byte{7}))});
+  const Value lists =
+      Value::list({Value::list(many), Value::set(many), Value::tuple(many), Value::dict(big),
+                   Value::list({Value::list({})}), std::string(70000, 'x'),
+                   Value::bytes(Bytes(300, std::byte{7}))});
   CHECK(decode(encode_pickle(lists)) == lists);
 }
 
@@ -218,12 +245,15 @@ struct Refusal {
 };
 }  // namespace
 
-TEST_CASE("pickle: every opcode that could run code is refused, naming it and its offset", "[trace][pickle][hostile]") {
+TEST_CASE("pickle: every opcode that could run code is refused, naming it and its offset",
+          "[trace][pickle][hostile]") {
   const Refusal refusals[] = {
       {"os_system.pickle", "pickle opcode GLOBAL (0x63, 'c')", 2, "it would import 'posix system'"},
       {"os_system_proto0.pickle", "pickle opcode GLOBAL (0x63, 'c')", 0, "'posix system'"},
-      {"global_os_system.pickle", "pickle opcode GLOBAL (0x63, 'c')", 0, "it would import 'os system'"},
-      {"stack_global.pickle", "pickle opcode STACK_GLOBAL (0x93)", 28, "it would import 'posix system'"},
+      {"global_os_system.pickle", "pickle opcode GLOBAL (0x63, 'c')", 0,
+       "it would import 'os system'"},
+      {"stack_global.pickle", "pickle opcode STACK_GLOBAL (0x93)", 28,
+       "it would import 'posix system'"},
       {"inst.pickle", "pickle opcode INST (0x69, 'i')", 38, "'os system'"},
       {"obj.pickle", "pickle opcode OBJ (0x6f, 'o')", 7, "create an instance"},
       {"newobj.pickle", "pickle opcode NEWOBJ (0x81)", 4, "create an instance"},
@@ -261,8 +291,10 @@ TEST_CASE("pickle: the GLOBAL message matches the documented form", "[trace][pic
   options.source_name = "snapshot.pickle";
   const std::string msg = decode_error(std::string(1234, '(') + "cos\nsystem\n.", options);
   CHECK(msg ==
-        "snapshot.pickle: byte 1234: pickle opcode GLOBAL (0x63, 'c') is refused: it would import 'os "
-        "system'. cachealloc reads only plain data (dicts, lists, tuples, strings, bytes, numbers, bools, "
+        "snapshot.pickle: byte 1234: pickle opcode GLOBAL (0x63, 'c') is refused: it would import "
+        "'os "
+        "system'. cachealloc reads only plain data (dicts, lists, tuples, strings, bytes, numbers, "
+        "bools, "
         "None); re-save the snapshot with torch.cuda.memory._dump_snapshot()");
   // Module and name are shown escaped and bounded, even when hostile.
   const std::string wild = decode_error("c" + std::string(5000, 'A') + "\x01\n" + "n\xff\n.");
@@ -271,32 +303,46 @@ TEST_CASE("pickle: the GLOBAL message matches the documented form", "[trace][pic
   CHECK_FALSE(std::filesystem::exists(marker_path()));
 }
 
-TEST_CASE("pickle: unknown opcodes, bad lengths and bad structure are clear errors", "[trace][pickle][hostile]") {
+TEST_CASE("pickle: unknown opcodes, bad lengths and bad structure are clear errors",
+          "[trace][pickle][hostile]") {
   struct Case {
     const char* file;
     const char* text;
   };
   const Case cases[] = {
-      {"unknown_opcode.pickle", "byte 2: unknown pickle opcode (0xff): not an opcode of pickle protocols 0-5"},
+      {"unknown_opcode.pickle",
+       "byte 2: unknown pickle opcode (0xff): not an opcode of pickle protocols 0-5"},
       {"binunicode_huge_length.pickle",
-       "byte 2: pickle opcode BINUNICODE (0x58, 'X'): needs 4294967295 bytes of string data but only 4 remain"},
+       "byte 2: pickle opcode BINUNICODE (0x58, 'X'): needs 4294967295 bytes of string data but "
+       "only 4 remain"},
       {"binbytes8_huge_length.pickle",
-       "byte 2: pickle opcode BINBYTES8 (0x8e): needs 9223372036854775808 bytes of bytes data but only 4 remain"},
-      {"long4_huge_length.pickle", "byte 2: pickle opcode LONG4 (0x8b): needs 2147483647 bytes of integer data"},
-      {"binstring_negative_length.pickle", "byte 0: pickle opcode BINSTRING (0x54, 'T'): has a negative length -1"},
-      {"frame_huge_length.pickle", "byte 2: pickle opcode FRAME (0x95): announces a frame of 1099511627776 bytes"},
+       "byte 2: pickle opcode BINBYTES8 (0x8e): needs 9223372036854775808 bytes of bytes data but "
+       "only 4 remain"},
+      {"long4_huge_length.pickle",
+       "byte 2: pickle opcode LONG4 (0x8b): needs 2147483647 bytes of integer data"},
+      {"binstring_negative_length.pickle",
+       "byte 0: pickle opcode BINSTRING (0x54, 'T'): has a negative length -1"},
+      {"frame_huge_length.pickle",
+       "byte 2: pickle opcode FRAME (0x95): announces a frame of 1099511627776 bytes"},
       {"deep_tuple.pickle", "pickle opcode TUPLE1 (0x85): the data nests deeper than 1000 levels"},
-      {"deep_list.pickle", "pickle opcode APPEND (0x61, 'a'): the data nests deeper than 1000 levels"},
+      {"deep_list.pickle",
+       "pickle opcode APPEND (0x61, 'a'): the data nests deeper than 1000 levels"},
       {"cycle.pickle", "byte 8: pickle opcode STOP (0x2e, '.'): the data contains itself"},
-      {"shared_chain.pickle", "pickle opcode STOP (0x2e, '.'): the data nests deeper than 1000 levels"},
-      {"memo_missing.pickle", "byte 2: pickle opcode BINGET (0x68, 'h'): memo entry 5 was never stored"},
+      {"shared_chain.pickle",
+       "pickle opcode STOP (0x2e, '.'): the data nests deeper than 1000 levels"},
+      {"memo_missing.pickle",
+       "byte 2: pickle opcode BINGET (0x68, 'h'): memo entry 5 was never stored"},
   };
   for (const Case& c : cases) {
     INFO(c.file);
     CHECK_THAT(decode_error(read_file(kDataDir / "hostile" / c.file)), Contains(c.text));
   }
-  CHECK_THAT(decode_error(""), Contains("<memory>: byte 0: the pickle ends before its STOP opcode"));
-  CHECK_THAT(decode_error("."), Contains("byte 0: pickle opcode STOP (0x2e, '.'): needs 1 value(s) on the stack but 0 are there"));
+  CHECK_THAT(decode_error(""),
+             Contains("<memory>: byte 0: the pickle ends before its STOP opcode"));
+  CHECK_THAT(
+      decode_error("."),
+      Contains(
+          "byte 0: pickle opcode STOP (0x2e, '.'): needs 1 value(s) on the stack but 0 are there"));
   CHECK(decode("(N.") == Value());  // as Python: STOP takes the top value even under a MARK
   CHECK_THAT(decode_error("N(."), Contains("are above the last MARK"));
   CHECK_THAT(decode_error("Na."), Contains("needs 2 value(s)"));
@@ -309,7 +355,8 @@ TEST_CASE("pickle: unknown opcodes, bad lengths and bad structure are clear erro
   CHECK_THAT(decode_error("S'abc\n."), Contains("must be a quoted string"));
   CHECK_THAT(decode_error("Vabc"), Contains("no terminating newline"));
   CHECK_THAT(decode_error("V\\u12\n."), Contains("truncated \\u escape"));
-  CHECK_THAT(decode_error("\x80\x06N."), Contains("pickle protocol 6 is newer than the supported 0-5"));
+  CHECK_THAT(decode_error("\x80\x06N."),
+             Contains("pickle protocol 6 is newer than the supported 0-5"));
 }
 
 TEST_CASE("pickle: resource limits are enforced with clear errors", "[trace][pickle][hostile]") {
@@ -319,18 +366,22 @@ TEST_CASE("pickle: resource limits are enforced with clear errors", "[trace][pic
   CHECK_THAT(decode_error(data, few_memo), Contains("the memo would exceed 3 entries"));
   DecodeOptions small_stack;
   small_stack.max_stack_entries = 4;
-  CHECK_THAT(decode_error("(NNNNN.", small_stack), Contains("the value stack would exceed 4 entries"));
+  CHECK_THAT(decode_error("(NNNNN.", small_stack),
+             Contains("the value stack would exceed 4 entries"));
   DecodeOptions small_memory;
   small_memory.max_value_bytes = 100;
-  CHECK_THAT(decode_error(data, small_memory), Contains("would take more than 100 bytes of memory"));
+  CHECK_THAT(decode_error(data, small_memory),
+             Contains("would take more than 100 bytes of memory"));
   DecodeOptions shallow;
   shallow.max_depth = 2;
   CHECK_THAT(decode_error(data, shallow), Contains("deeper than 2 levels"));
 }
 
-TEST_CASE("pickle: every truncation of a valid pickle is a TraceError", "[trace][pickle][hostile]") {
+TEST_CASE("pickle: every truncation of a valid pickle is a TraceError",
+          "[trace][pickle][hostile]") {
   for (int protocol = 0; protocol <= 5; ++protocol) {
-    const std::string data = read_file(kDataDir / "pickles" / ("protocol" + std::to_string(protocol) + ".pickle"));
+    const std::string data =
+        read_file(kDataDir / "pickles" / ("protocol" + std::to_string(protocol) + ".pickle"));
     for (std::size_t cut = 0; cut < data.size(); ++cut) {
       INFO("protocol " << protocol << " cut at " << cut);
       CHECK_THROWS_AS(decode(std::string_view(data).substr(0, cut)), TraceError);
@@ -338,12 +389,14 @@ TEST_CASE("pickle: every truncation of a valid pickle is a TraceError", "[trace]
   }
 }
 
-TEST_CASE("pickle: random byte flips either parse or raise TraceError", "[trace][pickle][hostile]") {
+TEST_CASE("pickle: random byte flips either parse or raise TraceError",
+          "[trace][pickle][hostile]") {
   std::mt19937 rng(20240601);
   int parsed = 0;
   int rejected = 0;
   for (int protocol : {0, 2, 4, 5}) {
-    const std::string original = read_file(kDataDir / "pickles" / ("protocol" + std::to_string(protocol) + ".pickle"));
+    const std::string original =
+        read_file(kDataDir / "pickles" / ("protocol" + std::to_string(protocol) + ".pickle"));
     for (int i = 0; i < 500; ++i) {
       std::string data = original;
       const int flips = 1 + static_cast<int>(rng() % 4);

@@ -1,10 +1,9 @@
 // test_snapshot.cpp: reading the real H200 snapshots in tests/data/traces, validation errors,
 // writing and reading back, and hostile or damaged files.
-#include <catch2/catch.hpp>
-
 #include <unistd.h>
 
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -41,15 +40,19 @@ using Catch::Matchers::StartsWith;
 namespace {
 
 const std::filesystem::path kTraceDir(CACHEALLOC_TRACE_DIR);
+#ifdef CACHEALLOC_TEST_DATA_DIR
+const std::filesystem::path kHostileDir = std::filesystem::path(CACHEALLOC_TEST_DATA_DIR) / "hostile";
+#else
 const std::filesystem::path kHostileDir = kTraceDir.parent_path() / "hostile";
+#endif
 
 std::span<const std::byte> span_of(std::string_view s) {
   return {reinterpret_cast<const std::byte*>(s.data()), s.size()};
 }
 
 std::size_t count(const Snapshot& s, Action a) {
-  return static_cast<std::size_t>(
-      std::count_if(s.events.begin(), s.events.end(), [a](const TraceEvent& e) { return e.action == a; }));
+  return static_cast<std::size_t>(std::count_if(
+      s.events.begin(), s.events.end(), [a](const TraceEvent& e) { return e.action == a; }));
 }
 
 /// parse_snapshot of an encoded Value; returns the TraceError message.
@@ -65,7 +68,8 @@ std::string parse_error(const Value& v) {
 }
 
 Value entry(Value action, Value addr, Value size, Value stream) {
-  return Value::dict({{"action", action}, {"addr", addr}, {"size", size}, {"stream", stream}, {"time_us", 1}});
+  return Value::dict(
+      {{"action", action}, {"addr", addr}, {"size", size}, {"stream", stream}, {"time_us", 1}});
 }
 
 Value snapshot_with(std::vector<Value> entries) {
@@ -76,7 +80,8 @@ Value snapshot_with(std::vector<Value> entries) {
 struct TempFile {
   std::filesystem::path path;
   explicit TempFile(const std::string& name)
-      : path(std::filesystem::temp_directory_path() / ("cachealloc_" + std::to_string(::getpid()) + "_" + name)) {}
+      : path(std::filesystem::temp_directory_path() /
+             ("cachealloc_" + std::to_string(::getpid()) + "_" + name)) {}
   ~TempFile() {
     std::error_code ec;
     std::filesystem::remove(path, ec);
@@ -99,9 +104,11 @@ TEST_CASE("snapshot: gpt2_train_varlen has the documented events", "[trace][snap
   CHECK(count(s, Action::free_completed) == 34147);
   CHECK(count(s, Action::segment_alloc) == 189);
   CHECK(count(s, Action::other) == 0);
-  CHECK(std::all_of(s.events.begin(), s.events.end(), [](const TraceEvent& e) { return e.device == 0 && e.stream == 0; }));
-  CHECK(std::is_sorted(s.events.begin(), s.events.end(),
-                       [](const TraceEvent& a, const TraceEvent& b) { return a.time_us < b.time_us; }));
+  CHECK(std::all_of(s.events.begin(), s.events.end(),
+                    [](const TraceEvent& e) { return e.device == 0 && e.stream == 0; }));
+  CHECK(std::is_sorted(
+      s.events.begin(), s.events.end(),
+      [](const TraceEvent& a, const TraceEvent& b) { return a.time_us < b.time_us; }));
   CHECK(s.events.front().action == Action::segment_alloc);
   CHECK(s.segments.size() == 189);
   CHECK(s.settings.present);
@@ -121,7 +128,8 @@ TEST_CASE("snapshot: gpt2_train_varlen has the documented events", "[trace][snap
   CHECK(peak == 28705816576ULL);
 }
 
-TEST_CASE("snapshot: resnet50_train_expandable maps segments and records its settings", "[trace][snapshot]") {
+TEST_CASE("snapshot: resnet50_train_expandable maps segments and records its settings",
+          "[trace][snapshot]") {
   const Snapshot s = read_snapshot(kTraceDir / "resnet50_train_expandable.pickle.xz");
   CHECK(s.events.size() == 52164);
   CHECK(count(s, Action::segment_map) == 111);
@@ -196,23 +204,27 @@ TEST_CASE("snapshot: a hand-built snapshot with several devices round-trips", "[
 
 TEST_CASE("snapshot: unknown actions read as other; extra keys are ignored", "[trace][snapshot]") {
   const Value v = Value::dict({
-      {"device_traces",
-       Value::list({Value::list({Value::dict({{"action", "future_action"}, {"addr", 1}, {"size", 2},
-                                              {"stream", -1}, {"frames", Value::list({})}})})})},
+      {"device_traces", Value::list({Value::list({Value::dict({{"action", "future_action"},
+                                                               {"addr", 1},
+                                                               {"size", 2},
+                                                               {"stream", -1},
+                                                               {"frames", Value::list({})}})})})},
       {"something_new", Value::tuple({1, 2})},
   });
   const std::string data = encode_pickle(v);
   const Snapshot s = parse_snapshot(span_of(data));
   REQUIRE(s.events.size() == 1);
   CHECK(s.events[0].action == Action::other);
-  CHECK(s.events[0].stream == ~std::uint64_t{0});  // negative ints wrap, as cudaStream_t cast to int64
+  CHECK(s.events[0].stream ==
+        ~std::uint64_t{0});  // negative ints wrap, as cudaStream_t cast to int64
   CHECK(s.events[0].time_us == 0);
   CHECK(cachealloc::trace::to_string(Action::segment_unmap) == "segment_unmap");
   CHECK(cachealloc::trace::action_from_string("free_completed") == Action::free_completed);
 }
 
 TEST_CASE("snapshot: schema errors name the key and the entry", "[trace][snapshot]") {
-  CHECK_THAT(parse_error(Value::list({})), StartsWith("t.pickle: the top level: expected dict, got list"));
+  CHECK_THAT(parse_error(Value::list({})),
+             StartsWith("t.pickle: the top level: expected dict, got list"));
   CHECK_THAT(parse_error(Value::dict({{"segments", Value::list({})}})),
              Contains("t.pickle: the top-level dict: there is no 'device_traces' key"));
   CHECK_THAT(parse_error(Value::dict({{"device_traces", Value::dict({})}})),
@@ -220,27 +232,37 @@ TEST_CASE("snapshot: schema errors name the key and the entry", "[trace][snapsho
   CHECK_THAT(parse_error(Value::dict({{"device_traces", Value::list({1})}})),
              Contains("device_traces[0]: expected list, got int 1"));
   const Value good = entry("alloc", 1, 2, 0);
-  CHECK_THAT(parse_error(snapshot_with({good, "x"})), Contains("device_traces[0][1]: expected dict, got str 'x'"));
-  CHECK_THAT(parse_error(snapshot_with({good, good, Value::dict({{"action", "alloc"}, {"size", 1}, {"stream", 0}})})),
+  CHECK_THAT(parse_error(snapshot_with({good, "x"})),
+             Contains("device_traces[0][1]: expected dict, got str 'x'"));
+  CHECK_THAT(parse_error(snapshot_with(
+                 {good, good, Value::dict({{"action", "alloc"}, {"size", 1}, {"stream", 0}})})),
              Contains("device_traces[0][2]: the entry has no 'addr' key"));
   CHECK_THAT(parse_error(snapshot_with({good, entry("alloc", 1, -4, 0)})),
              Contains("device_traces[0][1]['size']: must not be negative, got -4"));
   CHECK_THAT(parse_error(snapshot_with({entry("alloc", 1, "big", 0)})),
              Contains("device_traces[0][0]['size']: expected int, got str 'big'"));
-  CHECK_THAT(parse_error(snapshot_with({entry(5, 1, 2, 0)})), Contains("device_traces[0][0]['action']: expected str"));
-  CHECK_THAT(parse_error(snapshot_with({entry("alloc", 1.5, 2, 0)})), Contains("['addr']: expected int, got float 1.5"));
-  CHECK_THAT(parse_error(Value::dict({{"device_traces", Value::list({})}, {"segments", Value::list({Value::dict({})})}})),
-             Contains("segments[0]: the segment has no 'device' key"));
-  CHECK_THAT(parse_error(Value::dict({{"device_traces", Value::list({})}, {"allocator_settings", Value::dict({{"expandable_segments", 1}})}})),
-             Contains("allocator_settings['expandable_segments']: expected bool, got int 1"));
+  CHECK_THAT(parse_error(snapshot_with({entry(5, 1, 2, 0)})),
+             Contains("device_traces[0][0]['action']: expected str"));
+  CHECK_THAT(parse_error(snapshot_with({entry("alloc", 1.5, 2, 0)})),
+             Contains("['addr']: expected int, got float 1.5"));
   CHECK_THAT(parse_error(Value::dict({{"device_traces", Value::list({})},
-                                      {"allocator_settings", Value::dict({{"roundup_power2_divisions", Value::dict({{"x", 1}})}})}})),
+                                      {"segments", Value::list({Value::dict({})})}})),
+             Contains("segments[0]: the segment has no 'device' key"));
+  CHECK_THAT(
+      parse_error(Value::dict({{"device_traces", Value::list({})},
+                               {"allocator_settings", Value::dict({{"expandable_segments", 1}})}})),
+      Contains("allocator_settings['expandable_segments']: expected bool, got int 1"));
+  CHECK_THAT(parse_error(Value::dict(
+                 {{"device_traces", Value::list({})},
+                  {"allocator_settings",
+                   Value::dict({{"roundup_power2_divisions", Value::dict({{"x", 1}})}})}})),
              Contains("has the key 'x', not a number of MiB"));
   // Every schema error says what to do.
   CHECK_THAT(parse_error(Value::list({})), Contains("torch.cuda.memory._dump_snapshot"));
 }
 
-TEST_CASE("snapshot: the real gpt2 pickle cut at 200 offsets is always a TraceError", "[trace][snapshot][hostile]") {
+TEST_CASE("snapshot: the real gpt2 pickle cut at 200 offsets is always a TraceError",
+          "[trace][snapshot][hostile]") {
   const std::vector<std::byte> bytes = read_pickle_bytes(kTraceDir / "gpt2_train_varlen.pickle.xz");
   REQUIRE(bytes.size() == 7452390);
   for (int i = 0; i < 200; ++i) {
@@ -256,8 +278,10 @@ TEST_CASE("snapshot: the real gpt2 pickle cut at 200 offsets is always a TraceEr
   }
 }
 
-TEST_CASE("snapshot: damaged and hostile files give TraceErrors that start with the file name", "[trace][snapshot][hostile]") {
-  const auto error_of = [](const std::filesystem::path& file, const ReadOptions& options = {}) -> std::string {
+TEST_CASE("snapshot: damaged and hostile files give TraceErrors that start with the file name",
+          "[trace][snapshot][hostile]") {
+  const auto error_of = [](const std::filesystem::path& file,
+                           const ReadOptions& options = {}) -> std::string {
     try {
       (void)read_snapshot(file, options);
     } catch (const TraceError& e) {
@@ -267,16 +291,19 @@ TEST_CASE("snapshot: damaged and hostile files give TraceErrors that start with 
     return {};
   };
   const std::string truncated = (kHostileDir / "truncated.pickle.xz").string();
-  CHECK_THAT(error_of(truncated), StartsWith(truncated + ": compressed byte ") && Contains("truncated"));
+  CHECK_THAT(error_of(truncated),
+             StartsWith(truncated + ": compressed byte ") && Contains("truncated"));
 
   ReadOptions small_cap;
   small_cap.max_decompressed_bytes = 1 << 20;
   const std::string bomb = (kHostileDir / "bomb_64mib.pickle.xz").string();
   CHECK_THAT(error_of(bomb, small_cap),
-             StartsWith(bomb + ": decompresses to more than 1048576 bytes") && Contains("max_decompressed_bytes"));
+             StartsWith(bomb + ": decompresses to more than 1048576 bytes") &&
+                 Contains("max_decompressed_bytes"));
 
   const std::string shared = (kHostileDir / "shared_device_traces.pickle").string();
-  CHECK_THAT(error_of(shared), StartsWith(shared + ": the top-level dict['device_traces']: holds 20000000 entries"));
+  CHECK_THAT(error_of(shared),
+             StartsWith(shared + ": the top-level dict['device_traces']: holds 20000000 entries"));
 
   const std::string missing = (kHostileDir / "no_such_file.pickle").string();
   CHECK_THAT(error_of(missing), StartsWith(missing + ": cannot open: "));
@@ -285,7 +312,8 @@ TEST_CASE("snapshot: damaged and hostile files give TraceErrors that start with 
     const std::string name = item.path().string();
     if (name.ends_with(".py") || name.ends_with("bomb_64mib.pickle.xz")) continue;
     INFO(name);
-    CHECK_THAT(error_of(item.path()), StartsWith(name + ": ") || StartsWith(name + " (decompressed): "));
+    CHECK_THAT(error_of(item.path()),
+               StartsWith(name + ": ") || StartsWith(name + " (decompressed): "));
   }
   CHECK_FALSE(std::filesystem::exists("/tmp/cachealloc_pwned_" + std::to_string(::getpid())));
 }

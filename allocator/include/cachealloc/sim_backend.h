@@ -85,6 +85,14 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
   [[nodiscard]] std::uint64_t stream_recorded(StreamId stream) const;
   [[nodiscard]] std::uint64_t stream_completed(StreamId stream) const;
 
+  // ---- recorded addresses ----
+  /// Replays a recorded run's reservation addresses: while the sizes agree, the i-th reserve()
+  /// returns script[i].second for a request of script[i].first bytes, so a policy whose choices
+  /// depend on address order (best-fit ties) decides as it did on the recorded device. At the
+  /// first reserve() of another size the script is dropped and placement continues above every
+  /// scripted address.
+  void script_reservations(std::vector<std::pair<std::size_t, std::uintptr_t>> script);
+
   // ---- fault injection ----
   /// The k-th counted device call from now (1 = the next one) fails with `fault`.
   void fail_call(std::uint64_t k, SimFault fault = SimFault::out_of_memory);
@@ -149,6 +157,9 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
   std::unordered_map<StreamId, std::uint64_t> stream_recorded_;        // last sequence per stream
   std::unordered_set<StreamId> held_;
   EventId next_event_ = 1;
+  // scripted reservation addresses
+  std::vector<std::pair<std::size_t, std::uintptr_t>> script_;
+  std::size_t script_next_ = 0;
   // faults
   std::uint64_t calls_ = 0;
   std::uint64_t fail_at_ = 0;  // absolute call number, 0 = none

@@ -24,7 +24,8 @@ constexpr std::string_view kSchemaHint =
     "expected the dict that torch.cuda.memory._snapshot() returns (save one with "
     "torch.cuda.memory._dump_snapshot(\"file.pickle\"))";
 
-[[noreturn]] void schema_error(std::string_view source, std::string_view path, std::string_view what) {
+[[noreturn]] void schema_error(std::string_view source, std::string_view path,
+                               std::string_view what) {
   std::string msg(source);
   msg += ": ";
   msg += path;
@@ -56,7 +57,8 @@ struct Where {
   [[noreturn]] void fail(std::string_view key, std::string_view what) const {
     schema_error(source, path(key), what);
   }
-  [[noreturn]] void wrong_type(std::string_view key, std::string_view expected, const Value& v) const {
+  [[noreturn]] void wrong_type(std::string_view key, std::string_view expected,
+                               const Value& v) const {
     std::string what = "expected ";
     what += expected;
     what += ", got ";
@@ -97,7 +99,8 @@ const Dict& dict_of(const Value& v, const Where& w, std::string_view key = {}) {
   return v.as_dict();
 }
 
-void read_events(const Value& traces, std::string_view source, std::uint64_t input_bytes, Snapshot& out) {
+void read_events(const Value& traces, std::string_view source, std::uint64_t input_bytes,
+                 Snapshot& out) {
   const Where top{source, "", SIZE_MAX, SIZE_MAX};
   const auto& devices = list_of(traces, top, "device_traces");
   if (devices.size() > static_cast<std::size_t>(INT_MAX)) {
@@ -110,9 +113,10 @@ void read_events(const Value& traces, std::string_view source, std::uint64_t inp
   // Each entry costs at least one byte of pickle unless lists are shared through the memo,
   // which only a hostile file does: bound the work by the input size.
   if (total > input_bytes) {
-    top.fail("device_traces", "holds " + std::to_string(total) + " entries but the pickle has only " +
-                                  std::to_string(input_bytes) +
-                                  " bytes: its lists are shared many times (a corrupt or hostile file)");
+    top.fail("device_traces",
+             "holds " + std::to_string(total) + " entries but the pickle has only " +
+                 std::to_string(input_bytes) +
+                 " bytes: its lists are shared many times (a corrupt or hostile file)");
   }
   out.device_count = devices.size();
   out.events.reserve(static_cast<std::size_t>(total));
@@ -163,7 +167,8 @@ void read_segments(const Value& segments, std::string_view source, std::uint64_t
   const Where top{source, "", SIZE_MAX, SIZE_MAX};
   const auto& list = list_of(segments, top, "segments");
   if (list.size() > input_bytes) {
-    top.fail("segments", "holds more entries than the pickle has bytes (a corrupt or hostile file)");
+    top.fail("segments",
+             "holds more entries than the pickle has bytes (a corrupt or hostile file)");
   }
   out.segments.reserve(list.size());
   for (std::size_t i = 0; i < list.size(); ++i) {
@@ -181,7 +186,8 @@ void read_segments(const Value& segments, std::string_view source, std::uint64_t
     info.device = static_cast<int>(dev);
     info.address = wrapping_u64(*address, w, "address");
     info.total_size = non_negative(*total_size, w, "total_size");
-    if (const Value* v = seg.find("allocated_size")) info.allocated_size = non_negative(*v, w, "allocated_size");
+    if (const Value* v = seg.find("allocated_size"))
+      info.allocated_size = non_negative(*v, w, "allocated_size");
     if (const Value* v = seg.find("stream")) info.stream = wrapping_u64(*v, w, "stream");
     if (const Value* v = seg.find("segment_type")) {
       if (!v->is_str()) w.wrong_type("segment_type", "str", *v);
@@ -197,13 +203,15 @@ void read_segments(const Value& segments, std::string_view source, std::uint64_t
 
 void read_settings(const Value& value, std::string_view source, AllocatorSettings& out) {
   const Where w{source, "allocator_settings", SIZE_MAX, SIZE_MAX};
-  const Dict& settings = dict_of(value, Where{source, "", SIZE_MAX, SIZE_MAX}, "allocator_settings");
+  const Dict& settings =
+      dict_of(value, Where{source, "", SIZE_MAX, SIZE_MAX}, "allocator_settings");
   out.present = !settings.empty();
   if (const Value* v = settings.find("PYTORCH_CUDA_ALLOC_CONF"); v != nullptr && !v->is_none()) {
     if (!v->is_str()) w.wrong_type("PYTORCH_CUDA_ALLOC_CONF", "str", *v);
     out.conf_string = v->as_str();
   }
-  if (const Value* v = settings.find("max_split_size")) out.max_split_size = int64(*v, w, "max_split_size");
+  if (const Value* v = settings.find("max_split_size"))
+    out.max_split_size = int64(*v, w, "max_split_size");
   if (const Value* v = settings.find("garbage_collection_threshold")) {
     if (!v->is_float() && !v->is_int()) w.wrong_type("garbage_collection_threshold", "float", *v);
     out.garbage_collection_threshold = v->as_float();
@@ -226,13 +234,15 @@ void read_settings(const Value& value, std::string_view source, AllocatorSetting
       } else {
         interval = non_negative(key, w, "roundup_power2_divisions");
       }
-      out.roundup_power2_divisions.emplace_back(interval, non_negative(count, w, "roundup_power2_divisions"));
+      out.roundup_power2_divisions.emplace_back(interval,
+                                                non_negative(count, w, "roundup_power2_divisions"));
     }
   }
 }
 
 /// Progress of one phase mapped onto [base, base + span] of the caller's scale.
-std::function<void(double)> scaled(const std::function<void(double)>& progress, double base, double span) {
+std::function<void(double)> scaled(const std::function<void(double)>& progress, double base,
+                                   double span) {
   if (!progress) return {};
   return [&progress, base, span](double f) { progress(base + span * f); };
 }
@@ -246,7 +256,18 @@ Snapshot parse_with_progress(std::span<const std::byte> pickle_bytes, std::strin
   return snapshot_from_value(root, source_name, pickle_bytes.size());
 }
 
-std::string errno_text() { return std::strerror(errno); }
+/// Throws "<file>: <what>: <strerror(errno)><hint>", reading errno before anything else runs.
+[[noreturn]] void throw_io_error(const std::string& file, std::string_view what,
+                                 std::string_view hint = {}) {
+  const std::string reason = std::strerror(errno);
+  std::string msg = file;
+  msg += ": ";
+  msg += what;
+  msg += ": ";
+  msg += reason;
+  msg += hint;
+  throw TraceError(msg);
+}
 
 struct FileCloser {
   void operator()(std::FILE* f) const noexcept { std::fclose(f); }
@@ -266,18 +287,22 @@ Action action_from_string(std::string_view name) noexcept {
   return Action::other;
 }
 
-Snapshot snapshot_from_value(const Value& root, std::string_view source_name, std::uint64_t input_bytes) {
+Snapshot snapshot_from_value(const Value& root, std::string_view source_name,
+                             std::uint64_t input_bytes) {
   const Where top{source_name, "", SIZE_MAX, SIZE_MAX};
   if (!root.is_dict()) {
-    schema_error(source_name, "the top level", "expected dict, got " + std::string(root.type_name()) + " " + root.repr());
+    schema_error(source_name, "the top level",
+                 "expected dict, got " + std::string(root.type_name()) + " " + root.repr());
   }
   const Dict& dict = root.as_dict();
   Snapshot out;
   const Value* traces = dict.find("device_traces");
   if (traces == nullptr) top.fail({}, "there is no 'device_traces' key");
   read_events(*traces, source_name, input_bytes, out);
-  if (const Value* segments = dict.find("segments")) read_segments(*segments, source_name, input_bytes, out);
-  if (const Value* settings = dict.find("allocator_settings")) read_settings(*settings, source_name, out.settings);
+  if (const Value* segments = dict.find("segments"))
+    read_segments(*segments, source_name, input_bytes, out);
+  if (const Value* settings = dict.find("allocator_settings"))
+    read_settings(*settings, source_name, out.settings);
   return out;
 }
 
@@ -292,27 +317,30 @@ std::vector<std::byte> load_file(const std::filesystem::path& file, const ReadOp
                                  bool& compressed) {
   const std::string name = file.string();
   std::unique_ptr<std::FILE, FileCloser> f(std::fopen(name.c_str(), "rb"));
-  if (!f) throw TraceError(name + ": cannot open: " + errno_text() + ". Check the path");
+  if (!f) throw_io_error(name, "cannot open", ". Check the path");
   std::error_code ec;
   const std::uintmax_t size = std::filesystem::file_size(file, ec);
   if (ec) throw TraceError(name + ": cannot read its size: " + ec.message());
   if (size > options.max_decompressed_bytes) {
-    throw TraceError(name + ": is " + std::to_string(size) + " bytes, more than the cap of " +
-                     std::to_string(options.max_decompressed_bytes) +
-                     " (ReadOptions::max_decompressed_bytes); raise the cap if the file is genuine");
+    throw TraceError(
+        name + ": is " + std::to_string(size) + " bytes, more than the cap of " +
+        std::to_string(options.max_decompressed_bytes) +
+        " (ReadOptions::max_decompressed_bytes); raise the cap if the file is genuine");
   }
   std::vector<std::byte> data(static_cast<std::size_t>(size));
   if (size > 0 && std::fread(data.data(), 1, data.size(), f.get()) != data.size()) {
-    throw TraceError(name + ": cannot read: " +
-                     (std::ferror(f.get()) ? errno_text() : std::string("the file shrank while being read")));
+    if (std::ferror(f.get())) throw_io_error(name, "cannot read");
+    throw TraceError(name + ": cannot read: the file shrank while being read");
   }
   compressed = detail::has_xz_magic(data);
   if (!compressed) return data;
-  return detail::xz_decompress(data, options.max_decompressed_bytes, name, scaled(options.progress, 0.0, 0.5));
+  return detail::xz_decompress(data, options.max_decompressed_bytes, name,
+                               scaled(options.progress, 0.0, 0.5));
 }
 }  // namespace
 
-std::vector<std::byte> read_pickle_bytes(const std::filesystem::path& file, const ReadOptions& options) {
+std::vector<std::byte> read_pickle_bytes(const std::filesystem::path& file,
+                                         const ReadOptions& options) {
   bool compressed = false;
   return load_file(file, options, compressed);
 }
@@ -323,7 +351,8 @@ Snapshot read_snapshot(const std::filesystem::path& file, const ReadOptions& opt
   const std::vector<std::byte> bytes = load_file(file, options, compressed);
   const double base = compressed ? 0.5 : 0.0;
   const std::string source = file.string() + (compressed ? " (decompressed)" : "");
-  Snapshot snapshot = parse_with_progress(bytes, source, scaled(options.progress, base, 0.95 - base));
+  Snapshot snapshot =
+      parse_with_progress(bytes, source, scaled(options.progress, base, 0.95 - base));
   if (options.progress) options.progress(1.0);
   return snapshot;
 }
@@ -333,8 +362,9 @@ Value snapshot_to_value(const Snapshot& snapshot) {
   for (std::size_t i = 0; i < snapshot.events.size(); ++i) {
     const int d = snapshot.events[i].device;
     if (d < 0) {
-      throw TraceError("write_snapshot: event " + std::to_string(i) + " has the negative device index " +
-                       std::to_string(d) + "; give every event its device_traces index");
+      throw TraceError("write_snapshot: event " + std::to_string(i) +
+                       " has the negative device index " + std::to_string(d) +
+                       "; give every event its device_traces index");
     }
     devices = std::max(devices, static_cast<std::size_t>(d) + 1);
   }
@@ -402,24 +432,27 @@ Value snapshot_to_value(const Snapshot& snapshot) {
   });
 }
 
-std::string write_snapshot_pickle(const Snapshot& snapshot) { return encode_pickle(snapshot_to_value(snapshot)); }
+std::string write_snapshot_pickle(const Snapshot& snapshot) {
+  return encode_pickle(snapshot_to_value(snapshot));
+}
 
 void write_snapshot(const std::filesystem::path& file, const Snapshot& snapshot) {
   const std::string name = file.string();
   const std::string pickle = write_snapshot_pickle(snapshot);
   std::vector<std::byte> compressed;
-  std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(pickle.data()), pickle.size());
+  std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(pickle.data()),
+                                   pickle.size());
   if (file.extension() == ".xz") {
     compressed = detail::xz_compress(bytes, name);
     bytes = compressed;
   }
   std::unique_ptr<std::FILE, FileCloser> f(std::fopen(name.c_str(), "wb"));
-  if (!f) throw TraceError(name + ": cannot create: " + errno_text() + ". Check the directory exists and is writable");
+  if (!f)
+    throw_io_error(name, "cannot create", ". Check that the directory exists and is writable");
   if (!bytes.empty() && std::fwrite(bytes.data(), 1, bytes.size(), f.get()) != bytes.size()) {
-    throw TraceError(name + ": cannot write: " + errno_text());
+    throw_io_error(name, "cannot write");
   }
-  std::FILE* raw = f.release();
-  if (std::fclose(raw) != 0) throw TraceError(name + ": cannot write: " + errno_text());
+  if (std::fclose(f.release()) != 0) throw_io_error(name, "cannot write");
 }
 
 }  // namespace cachealloc::trace

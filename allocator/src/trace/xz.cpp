@@ -20,15 +20,21 @@ constexpr std::size_t kChunk = std::size_t{16} << 20;
 
 std::string lzma_reason(lzma_ret ret) {
   switch (ret) {
-    case LZMA_MEM_ERROR: return "liblzma could not allocate memory";
+    case LZMA_MEM_ERROR:
+      return "liblzma could not allocate memory";
     case LZMA_MEMLIMIT_ERROR:
       return "the stream needs more than " + std::to_string(kDecoderMemoryLimit >> 20) +
              " MiB of decoder memory";
-    case LZMA_FORMAT_ERROR: return "the data is not in the .xz format";
-    case LZMA_OPTIONS_ERROR: return "the stream uses unsupported compression options";
-    case LZMA_DATA_ERROR: return "the compressed data is corrupt";
-    case LZMA_BUF_ERROR: return "the compressed data ends too early (the file is truncated)";
-    default: return "liblzma error " + std::to_string(static_cast<int>(ret));
+    case LZMA_FORMAT_ERROR:
+      return "the data is not in the .xz format";
+    case LZMA_OPTIONS_ERROR:
+      return "the stream uses unsupported compression options";
+    case LZMA_DATA_ERROR:
+      return "the compressed data is corrupt";
+    case LZMA_BUF_ERROR:
+      return "the compressed data ends too early (the file is truncated)";
+    default:
+      return "liblzma error " + std::to_string(static_cast<int>(ret));
   }
 }
 
@@ -42,17 +48,19 @@ struct StreamGuard {
 bool has_xz_magic(std::span<const std::byte> data) noexcept {
   static constexpr unsigned char kMagic[6] = {0xFD, 0x37, 0x7A, 0x58, 0x5A, 0x00};
   if (data.size() < sizeof kMagic) return false;
-  return std::equal(std::begin(kMagic), std::end(kMagic), data.begin(),
-                    [](unsigned char m, std::byte b) { return m == static_cast<unsigned char>(b); });
+  return std::equal(
+      std::begin(kMagic), std::end(kMagic), data.begin(),
+      [](unsigned char m, std::byte b) { return m == static_cast<unsigned char>(b); });
 }
 
-std::vector<std::byte> xz_decompress(std::span<const std::byte> input, std::uint64_t max_output_bytes,
-                                     std::string_view source_name,
+std::vector<std::byte> xz_decompress(std::span<const std::byte> input,
+                                     std::uint64_t max_output_bytes, std::string_view source_name,
                                      const std::function<void(double)>& progress) {
   lzma_stream stream = LZMA_STREAM_INIT;
   const lzma_ret init = lzma_stream_decoder(&stream, kDecoderMemoryLimit, LZMA_CONCATENATED);
   if (init != LZMA_OK) {
-    throw TraceError(std::string(source_name) + ": cannot start the xz decoder: " + lzma_reason(init));
+    throw TraceError(std::string(source_name) +
+                     ": cannot start the xz decoder: " + lzma_reason(init));
   }
   StreamGuard guard{&stream};
 
@@ -100,8 +108,8 @@ std::vector<std::byte> xz_compress(std::span<const std::byte> input, std::string
   std::vector<std::byte> out(lzma_stream_buffer_bound(input.size()));
   std::size_t written = 0;
   const lzma_ret ret = lzma_easy_buffer_encode(
-      6, LZMA_CHECK_CRC64, nullptr, reinterpret_cast<const std::uint8_t*>(input.data()), input.size(),
-      reinterpret_cast<std::uint8_t*>(out.data()), &written, out.size());
+      6, LZMA_CHECK_CRC64, nullptr, reinterpret_cast<const std::uint8_t*>(input.data()),
+      input.size(), reinterpret_cast<std::uint8_t*>(out.data()), &written, out.size());
   if (ret != LZMA_OK) {
     throw TraceError(std::string(source_name) + ": xz compression failed: " + lzma_reason(ret));
   }

@@ -18,10 +18,9 @@ namespace cachealloc::trace::detail {
 /// with `source_name`, when the data is truncated or corrupt, or when it would decompress to
 /// more than `max_output_bytes` (an "xz bomb"). `progress`, if set, gets the fraction of the
 /// compressed input consumed (0..1).
-[[nodiscard]] std::vector<std::byte> xz_decompress(std::span<const std::byte> input,
-                                                   std::uint64_t max_output_bytes,
-                                                   std::string_view source_name,
-                                                   const std::function<void(double)>& progress = {});
+[[nodiscard]] std::vector<std::byte> xz_decompress(
+    std::span<const std::byte> input, std::uint64_t max_output_bytes, std::string_view source_name,
+    const std::function<void(double)>& progress = {});
 
 /// Compresses `input` as one .xz stream (preset 6, CRC64), as `xz` does by default.
 [[nodiscard]] std::vector<std::byte> xz_compress(std::span<const std::byte> input,

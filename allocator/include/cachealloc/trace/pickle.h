@@ -105,19 +105,19 @@ class Value {
   Value() noexcept : kind_(Kind::none) { payload_.integer = 0; }
   Value(std::nullptr_t) noexcept : Value() {}  // NOLINT(google-explicit-constructor)
   template <typename T>
-    requires std::same_as<T, bool>
-  Value(T b) noexcept : kind_(Kind::boolean) {  // NOLINT(google-explicit-constructor)
+  requires std::same_as<T, bool> Value(T b)
+  noexcept : kind_(Kind::boolean) {  // NOLINT(google-explicit-constructor)
     payload_.integer = 0;
     payload_.boolean = b;
   }
   template <std::signed_integral T>
-    requires(!std::same_as<T, bool>)
-  Value(T v) noexcept : kind_(Kind::integer) {  // NOLINT(google-explicit-constructor)
+  requires(!std::same_as<T, bool>) Value(T v)
+  noexcept : kind_(Kind::integer) {  // NOLINT(google-explicit-constructor)
     payload_.integer = static_cast<std::int64_t>(v);
   }
   template <std::unsigned_integral T>
-    requires(!std::same_as<T, bool>)
-  Value(T v) noexcept {  // NOLINT(google-explicit-constructor)
+  requires(!std::same_as<T, bool>) Value(T v)
+  noexcept {  // NOLINT(google-explicit-constructor)
     const auto u = static_cast<std::uint64_t>(v);
     if (u <= static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())) {
       kind_ = Kind::integer;
@@ -330,7 +330,8 @@ struct DecodeOptions {
 /// Decodes one pickle (protocols 0-5) into a Value. Trailing bytes after STOP are ignored, as
 /// Python does. Throws TraceError on any refused opcode, malformed or truncated input, or
 /// exceeded bound; the message names the source, the byte offset and the opcode.
-[[nodiscard]] Value decode_pickle(std::span<const std::byte> data, const DecodeOptions& options = {});
+[[nodiscard]] Value decode_pickle(std::span<const std::byte> data,
+                                  const DecodeOptions& options = {});
 
 /// Encodes a Value as a protocol-4 pickle that Python's pickle.load reads back equal. Uses only
 /// data opcodes; repeated short strings are memoized (MEMOIZE/BINGET) to keep files small.

@@ -70,7 +70,7 @@ struct SegmentInfo {
 struct AllocatorSettings {
   /// The snapshot recorded settings (a non-empty allocator_settings dict).
   bool present = false;
-  std::string conf_string;  ///< "PYTORCH_CUDA_ALLOC_CONF"
+  std::string conf_string;           ///< "PYTORCH_CUDA_ALLOC_CONF"
   std::int64_t max_split_size = -1;  ///< bytes, -1 = unlimited
   double garbage_collection_threshold = 0.0;
   bool expandable_segments = false;
@@ -105,7 +105,8 @@ struct ReadOptions {
 
 /// Reads a snapshot file (plain pickle or .xz). Throws TraceError; messages start with the file
 /// name and give the byte offset in the decompressed stream, or the path of the bad field.
-[[nodiscard]] Snapshot read_snapshot(const std::filesystem::path& file, const ReadOptions& options = {});
+[[nodiscard]] Snapshot read_snapshot(const std::filesystem::path& file,
+                                     const ReadOptions& options = {});
 
 /// Decodes and validates snapshot pickle bytes. `source_name` starts every error message.
 [[nodiscard]] Snapshot parse_snapshot(std::span<const std::byte> pickle_bytes,

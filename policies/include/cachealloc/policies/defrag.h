@@ -23,8 +23,8 @@
 //                     reserved <= max((1 + grow_slack) x peak live bytes, live bytes plus the
 //                     partly used pages at the edges of free holes)
 //   small_size        requests up to this size go to their own address range, so that small
-//                     long-lived tensors do not split the large holes (bytes, default 0 = one
-//                     range for all sizes; e.g. 1MB)
+//                     long-lived tensors do not pin the pages of large holes (bytes, default
+//                     1MB; 0 = one range for all sizes)
 //   wait_for_streams  before creating physical memory beyond the slack, wait for the events of
 //                     the streams that last used free pages and move those pages (default True)
 //
@@ -60,7 +60,7 @@ class DefragEngine;
 struct DefragSettings {
   std::size_t va_reserve_bytes = 0;  ///< 0 = twice the device memory
   double grow_slack = 0.01;
-  std::size_t small_size = 0;  ///< 0 = small requests share the large range
+  std::size_t small_size = 1 * kMiB;  ///< 0 = small requests share the large range
   bool wait_for_streams = true;
 };
 

@@ -77,16 +77,17 @@ struct SegmentEvent {
 
 /// Counters specific to the native policy (the front end keeps the general statistics).
 struct NativeCounters {
-  std::uint64_t segment_allocs = 0;    ///< device reservations made (cudaMalloc)
-  std::uint64_t segment_frees = 0;     ///< device reservations released (cudaFree)
-  std::uint64_t maps = 0;              ///< expandable-segment growth steps (segment_map)
-  std::uint64_t unmaps = 0;            ///< expandable-segment shrink steps (segment_unmap)
-  std::uint64_t gc_runs = 0;           ///< garbage collections that released something
-  std::uint64_t oversize_releases = 0; ///< successful "release oversize blocks" retry steps
-  std::uint64_t full_releases = 0;     ///< "release all cached blocks" steps
-  std::uint64_t alloc_retries = 0;     ///< allocations that reached the last retry (PyTorch's num_alloc_retries)
-  std::uint64_t failures = 0;          ///< allocations that found no memory at all
-  std::uint64_t events_lost = 0;       ///< segment events not recorded for lack of memory
+  std::uint64_t segment_allocs = 0;     ///< device reservations made (cudaMalloc)
+  std::uint64_t segment_frees = 0;      ///< device reservations released (cudaFree)
+  std::uint64_t maps = 0;               ///< expandable-segment growth steps (segment_map)
+  std::uint64_t unmaps = 0;             ///< expandable-segment shrink steps (segment_unmap)
+  std::uint64_t gc_runs = 0;            ///< garbage collections that released something
+  std::uint64_t oversize_releases = 0;  ///< successful "release oversize blocks" retry steps
+  std::uint64_t full_releases = 0;      ///< "release all cached blocks" steps
+  std::uint64_t alloc_retries =
+      0;  ///< allocations that reached the last retry (PyTorch's num_alloc_retries)
+  std::uint64_t failures = 0;     ///< allocations that found no memory at all
+  std::uint64_t events_lost = 0;  ///< segment events not recorded for lack of memory
 };
 
 namespace native_detail {

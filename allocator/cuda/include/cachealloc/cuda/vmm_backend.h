@@ -1,0 +1,60 @@
+// vmm_backend.h: backend `cuda_vmm`: CUDA virtual memory (cuMemAddressReserve, cuMemCreate,
+// cuMemMap) for the defragmenting policy, plus everything `cuda_runtime` does.
+//
+// The driver API is not linked: it is loaded at run time (dlopen("libcuda.so.1") and
+// cuGetProcAddress), so the library links against nothing but the runtime, and a machine
+// without the driver gets a DeviceError saying so when it builds this backend.
+//
+// Note [Unmapping does not wait for the device]
+// cudaFree waits for all work on the device before it frees; cuMemUnmap and cuMemRelease do
+// not: unmapping memory that a queued or running kernel still touches makes that kernel fault.
+// So unmap() has the same precondition as the driver call: no work may use the range any more.
+// The policy guarantees it (defrag unmaps only pages whose freeing streams' events completed,
+// see defrag.h's Note [Physical pages and the streams that used them]; the front end parks
+// cross-stream frees until the other streams are done). The backend does not synchronise the
+// device itself, because defragmentation unmaps on the allocation path, where waiting for all
+// work on the device (other streams' long kernels included) would stall the caller.
+// (PyTorch's expandable segments, which have no per-page events, synchronise the stream instead.)
+//
+// One unmap() may span several adjacent mappings, each of a whole handle (as in the CUDA
+// samples' vectorAddMMAP); it must not cut a mapping in two.
+#pragma once
+
+#include <cachealloc/backend.h>
+#include <cachealloc/cuda/runtime_backend.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+namespace cachealloc {
+
+class CudaVmmBackend final : public CudaRuntimeBackend, private VirtualMemory {
+ public:
+  /// Loads the driver API and checks that `device` supports virtual memory management.
+  /// Throws DeviceError ("CUDA driver API not available: ...") when libcuda.so.1 or a symbol is
+  /// missing, or when the device lacks VMM support.
+  explicit CudaVmmBackend(int device);
+  ~CudaVmmBackend() override;
+
+  [[nodiscard]] std::string_view name() const noexcept override { return "cuda_vmm"; }
+  [[nodiscard]] VirtualMemory* virtual_memory() noexcept override { return this; }
+
+  /// cuMemGetAllocationGranularity(RECOMMENDED) for pinned device memory: 2 MiB on the H200.
+  [[nodiscard]] std::size_t granularity() const noexcept override { return granularity_; }
+  /// The driver's minimum granularity (for reports; the backend works in granularity()).
+  [[nodiscard]] std::size_t minimum_granularity() const noexcept { return minimum_granularity_; }
+  [[nodiscard]] std::uintptr_t reserve_address(std::size_t bytes) override;
+  void free_address(std::uintptr_t va, std::size_t bytes) noexcept override;
+
+ private:
+  [[nodiscard]] PhysicalHandle do_create_physical(std::size_t bytes) override;
+  void do_release_physical(PhysicalHandle handle) noexcept override;
+  void do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) override;
+  void do_unmap(std::uintptr_t va, std::size_t bytes) override;
+
+  std::size_t granularity_ = 0;
+  std::size_t minimum_granularity_ = 0;
+};
+
+}  // namespace cachealloc

@@ -1,0 +1,186 @@
+// async_backend.cpp: backend `cuda_async`, a private cudaMemPool_t (see async_backend.h).
+#include <cachealloc/cuda/async_backend.h>
+#include <cachealloc/cuda/streams.h>
+#include <cachealloc/errors.h>
+
+#include "cuda_check.h"
+
+#include <string>
+
+namespace cachealloc {
+
+CudaAsyncOptions CudaAsyncOptions::from_config(Config& config) {
+  CudaAsyncOptions o;
+  if (auto v = config.take_bytes("async_release_threshold")) {
+    o.release_threshold = *v;
+  }
+  if (auto v = config.take_bool("async_reuse_follow_event_dependencies")) {
+    o.reuse_follow_event_dependencies = *v;
+  }
+  if (auto v = config.take_bool("async_reuse_allow_opportunistic")) {
+    o.reuse_allow_opportunistic = *v;
+  }
+  if (auto v = config.take_bool("async_reuse_allow_internal_dependencies")) {
+    o.reuse_allow_internal_dependencies = *v;
+  }
+  return o;
+}
+
+std::vector<std::string_view> CudaAsyncBackend::config_keys() {
+  return {"async_release_threshold", "async_reuse_follow_event_dependencies",
+          "async_reuse_allow_opportunistic", "async_reuse_allow_internal_dependencies"};
+}
+
+CudaAsyncBackend::CudaAsyncBackend(int device, CudaAsyncOptions options)
+    : device_(device), options_(options), events_(device) {
+  cuda_detail::initialise_device(device);
+  total_memory_ = cuda_detail::memory_info(device).total_bytes;
+  CudaDeviceGuard guard(device);
+  int supported = 0;
+  CACHEALLOC_CUDA_CHECK(cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, device));
+  if (supported == 0) {
+    throw DeviceError("CUDA device " + std::to_string(device) +
+                      " does not support memory pools (cudaMallocAsync); the stream-ordered "
+                      "policy needs CUDA >= 11.2 on a device and driver that support them");
+  }
+  cudaMemPoolProps props{};
+  props.allocType = cudaMemAllocationTypePinned;
+  props.handleTypes = cudaMemHandleTypeNone;
+  props.location.type = cudaMemLocationTypeDevice;
+  props.location.id = device;
+  CACHEALLOC_CUDA_CHECK(cudaMemPoolCreate(&pool_, &props));
+  try {
+    std::uint64_t threshold = options_.release_threshold;
+    CACHEALLOC_CUDA_CHECK(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &threshold));
+    int follow = options_.reuse_follow_event_dependencies ? 1 : 0;
+    int opportunistic = options_.reuse_allow_opportunistic ? 1 : 0;
+    int internal = options_.reuse_allow_internal_dependencies ? 1 : 0;
+    CACHEALLOC_CUDA_CHECK(
+        cudaMemPoolSetAttribute(pool_, cudaMemPoolReuseFollowEventDependencies, &follow));
+    CACHEALLOC_CUDA_CHECK(
+        cudaMemPoolSetAttribute(pool_, cudaMemPoolReuseAllowOpportunistic, &opportunistic));
+    CACHEALLOC_CUDA_CHECK(
+        cudaMemPoolSetAttribute(pool_, cudaMemPoolReuseAllowInternalDependencies, &internal));
+  } catch (...) {
+    CACHEALLOC_CUDA_WARN(cudaMemPoolDestroy(pool_));
+    throw;
+  }
+}
+
+CudaAsyncBackend::~CudaAsyncBackend() {
+  // Allocations still live keep the pool's memory until they are freed (cudaMemPoolDestroy
+  // returns at once and the driver releases the rest later), so this is safe at any time.
+  try {
+    CudaDeviceGuard guard(device_);
+    CACHEALLOC_CUDA_WARN(cudaMemPoolDestroy(pool_));
+  } catch (const Error& e) {
+    cuda_detail::warn_exception("cudaMemPoolDestroy", e);
+  }
+}
+
+std::size_t CudaAsyncBackend::free_memory() const { return cuda_detail::memory_info(device_).free_bytes; }
+
+void* CudaAsyncBackend::allocate_async(std::size_t bytes, StreamId stream) {
+  if (limit() != kNoLimit) {
+    // The pool's used bytes include reserve() allocations, so this is the whole footprint.
+    const std::uint64_t used = used_current();
+    if (used > limit() || bytes > limit() - used) {
+      ++mutable_counters().failed_reserves;
+      return nullptr;
+    }
+  }
+  CudaDeviceGuard guard(device_);
+  void* ptr = nullptr;
+  const cudaError_t status = cudaMallocFromPoolAsync(&ptr, bytes, pool_, to_cuda_stream(stream));
+  if (status == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();  // Note [Out of memory from cudaMalloc] in runtime_backend.h
+    ++mutable_counters().failed_reserves;
+    return nullptr;
+  }
+  CACHEALLOC_CUDA_CHECK(status);
+  ++async_allocations_;
+  return ptr;
+}
+
+void CudaAsyncBackend::free_async(void* ptr, StreamId stream) noexcept {
+  if (ptr == nullptr) {
+    return;
+  }
+  try {
+    CudaDeviceGuard guard(device_);
+    const cudaError_t status = cudaFreeAsync(ptr, to_cuda_stream(stream));
+    if (status == cudaSuccess) {
+      ++async_frees_;
+    } else {
+      cuda_detail::warn_cuda_error(status, "cudaFreeAsync(ptr, stream)", __FILE__, __LINE__);
+    }
+  } catch (const Error& e) {
+    cuda_detail::warn_exception("cudaFreeAsync: device guard", e);
+  }
+}
+
+void CudaAsyncBackend::make_stream_wait(StreamId waiter, EventId event) {
+  CudaDeviceGuard guard(device_);  // the legacy default stream is per device
+  CACHEALLOC_CUDA_CHECK(cudaStreamWaitEvent(to_cuda_stream(waiter), CudaEventPool::to_event(event), 0));
+}
+
+void CudaAsyncBackend::trim_to(std::size_t keep_bytes) {
+  CudaDeviceGuard guard(device_);
+  CACHEALLOC_CUDA_CHECK(cudaMemPoolTrimTo(pool_, keep_bytes));
+}
+
+std::uint64_t CudaAsyncBackend::attribute(cudaMemPoolAttr attr) const {
+  std::uint64_t value = 0;
+  CACHEALLOC_CUDA_CHECK(cudaMemPoolGetAttribute(pool_, attr, &value));
+  return value;
+}
+
+std::uint64_t CudaAsyncBackend::reserved_current() const { return attribute(cudaMemPoolAttrReservedMemCurrent); }
+std::uint64_t CudaAsyncBackend::reserved_high() const { return attribute(cudaMemPoolAttrReservedMemHigh); }
+std::uint64_t CudaAsyncBackend::used_current() const { return attribute(cudaMemPoolAttrUsedMemCurrent); }
+std::uint64_t CudaAsyncBackend::used_high() const { return attribute(cudaMemPoolAttrUsedMemHigh); }
+
+void CudaAsyncBackend::reset_high_watermarks() {
+  std::uint64_t zero = 0;  // the only value these attributes accept: resets to the current value
+  CACHEALLOC_CUDA_CHECK(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReservedMemHigh, &zero));
+  CACHEALLOC_CUDA_CHECK(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrUsedMemHigh, &zero));
+}
+
+// reserve()/release() have no stream: allocate on the legacy default stream and wait for it, so
+// the memory is usable on any stream at once; release waits for the whole device first, as
+// cudaFree would, then frees in stream order on the (now idle) legacy stream.
+void* CudaAsyncBackend::do_reserve(std::size_t bytes) {
+  CudaDeviceGuard guard(device_);
+  void* ptr = nullptr;
+  const cudaError_t status = cudaMallocFromPoolAsync(&ptr, bytes, pool_, cudaStreamLegacy);
+  if (status == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  CACHEALLOC_CUDA_CHECK(status);
+  try {
+    CACHEALLOC_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
+  } catch (...) {
+    CACHEALLOC_CUDA_WARN(cudaFreeAsync(ptr, cudaStreamLegacy));
+    throw;
+  }
+  return ptr;
+}
+
+void CudaAsyncBackend::do_release(void* ptr, std::size_t /*bytes*/) noexcept {
+  try {
+    CudaDeviceGuard guard(device_);
+    CACHEALLOC_CUDA_WARN(cudaDeviceSynchronize());
+    CACHEALLOC_CUDA_WARN(cudaFreeAsync(ptr, cudaStreamLegacy));
+    CACHEALLOC_CUDA_WARN(cudaStreamSynchronize(cudaStreamLegacy));
+  } catch (const Error& e) {
+    cuda_detail::warn_exception("cudaFreeAsync: device guard", e);
+  }
+}
+
+EventId CudaAsyncBackend::record_event(StreamId stream) { return events_.record(stream); }
+bool CudaAsyncBackend::query_event(EventId event) { return events_.query(event); }
+void CudaAsyncBackend::synchronize_event(EventId event) { events_.synchronize(event); }
+void CudaAsyncBackend::destroy_event(EventId event) noexcept { events_.give_back(event); }
+
+}  // namespace cachealloc

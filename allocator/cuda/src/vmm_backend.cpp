@@ -1,0 +1,132 @@
+// vmm_backend.cpp: backend `cuda_vmm` (see vmm_backend.h).
+#include <cachealloc/cuda/streams.h>
+#include <cachealloc/cuda/vmm_backend.h>
+#include <cachealloc/errors.h>
+
+#include "cuda_check.h"
+#include "driver_api.h"
+
+#include <string>
+
+namespace cachealloc {
+namespace {
+
+/// Loads the driver API before the runtime backend initialises the device, so that a machine
+/// without the driver hears about the driver API (what the VMM backend needs) first.
+int with_driver_api(int device) {
+  (void)cuda_detail::driver_api();
+  return device;
+}
+
+CUmemAllocationProp pinned_on(int device) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+  return prop;
+}
+
+CUdeviceptr to_cu(std::uintptr_t va) noexcept { return static_cast<CUdeviceptr>(va); }
+
+}  // namespace
+
+CudaVmmBackend::CudaVmmBackend(int device) : CudaRuntimeBackend(with_driver_api(device)) {
+  // The runtime initialised the primary context (CudaRuntimeBackend's constructor called
+  // cudaFree(nullptr) on the device); the driver calls below run in it.
+  const cuda_detail::DriverApi& api = cuda_detail::driver_api();
+  CudaDeviceGuard guard(device, /*force=*/true);
+  CUcontext context = nullptr;
+  CACHEALLOC_CU_CHECK(api.ctx_get_current(&context));
+  if (context == nullptr) {
+    throw DeviceError("CUDA device " + std::to_string(device) +
+                      ": no current context after cudaSetDevice (driver/runtime mismatch?)");
+  }
+  CUdevice cu_device = 0;
+  CACHEALLOC_CU_CHECK(api.device_get(&cu_device, device));
+  int supported = 0;
+  CACHEALLOC_CU_CHECK(api.device_get_attribute(
+      &supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, cu_device));
+  if (supported == 0) {
+    throw DeviceError("CUDA device " + std::to_string(device) +
+                      " does not support virtual memory management (cuMemCreate/cuMemMap); "
+                      "policy defrag needs a GPU with CUDA virtual memory support");
+  }
+  const CUmemAllocationProp prop = pinned_on(device);
+  CACHEALLOC_CU_CHECK(api.mem_get_allocation_granularity(&granularity_, &prop,
+                                                         CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
+  CACHEALLOC_CU_CHECK(api.mem_get_allocation_granularity(&minimum_granularity_, &prop,
+                                                         CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+  attach(*this);
+}
+
+CudaVmmBackend::~CudaVmmBackend() = default;
+
+std::uintptr_t CudaVmmBackend::reserve_address(std::size_t bytes) {
+  const cuda_detail::DriverApi& api = cuda_detail::driver_api();
+  CudaDeviceGuard guard(device(), /*force=*/true);
+  CUdeviceptr va = 0;
+  CACHEALLOC_CU_CHECK(api.mem_address_reserve(&va, bytes, granularity_, 0, 0));
+  return static_cast<std::uintptr_t>(va);
+}
+
+void CudaVmmBackend::free_address(std::uintptr_t va, std::size_t bytes) noexcept {
+  try {
+    const cuda_detail::DriverApi& api = cuda_detail::driver_api();
+    CudaDeviceGuard guard(device(), /*force=*/true);
+    CACHEALLOC_CU_WARN(api.mem_address_free(to_cu(va), bytes));
+  } catch (const Error& e) {
+    cuda_detail::warn_exception(__func__, e);
+  }
+}
+
+PhysicalHandle CudaVmmBackend::do_create_physical(std::size_t bytes) {
+  const cuda_detail::DriverApi& api = cuda_detail::driver_api();
+  CudaDeviceGuard guard(device(), /*force=*/true);
+  const CUmemAllocationProp prop = pinned_on(device());
+  CUmemGenericAllocationHandle handle = 0;
+  const CUresult status = api.mem_create(&handle, bytes, &prop, 0);
+  if (status == CUDA_ERROR_OUT_OF_MEMORY) {
+    return 0;  // the retry chain runs (driver errors are not sticky and have no "last error")
+  }
+  CACHEALLOC_CU_CHECK(status);
+  if (handle == 0) {
+    throw DeviceError("cuMemCreate returned handle 0, which cachealloc reserves for 'no memory'");
+  }
+  return static_cast<PhysicalHandle>(handle);
+}
+
+void CudaVmmBackend::do_release_physical(PhysicalHandle handle) noexcept {
+  try {
+    const cuda_detail::DriverApi& api = cuda_detail::driver_api();
+    CudaDeviceGuard guard(device(), /*force=*/true);
+    CACHEALLOC_CU_WARN(api.mem_release(static_cast<CUmemGenericAllocationHandle>(handle)));
+  } catch (const Error& e) {
+    cuda_detail::warn_exception(__func__, e);
+  }
+}
+
+void CudaVmmBackend::do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) {
+  const cuda_detail::DriverApi& api = cuda_detail::driver_api();
+  CudaDeviceGuard guard(device(), /*force=*/true);
+  CACHEALLOC_CU_CHECK(
+      api.mem_map(to_cu(va), bytes, 0, static_cast<CUmemGenericAllocationHandle>(handle), 0));
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device();
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  const CUresult status = api.mem_set_access(to_cu(va), bytes, &access, 1);
+  if (status != CUDA_SUCCESS) {
+    CACHEALLOC_CU_WARN(api.mem_unmap(to_cu(va), bytes));  // leave the range as we found it
+    CACHEALLOC_CU_CHECK(status);
+  }
+}
+
+// Note [Unmapping does not wait for the device] in vmm_backend.h.
+void CudaVmmBackend::do_unmap(std::uintptr_t va, std::size_t bytes) {
+  const cuda_detail::DriverApi& api = cuda_detail::driver_api();
+  CudaDeviceGuard guard(device(), /*force=*/true);
+  CACHEALLOC_CU_CHECK(api.mem_unmap(to_cu(va), bytes));
+}
+
+}  // namespace cachealloc

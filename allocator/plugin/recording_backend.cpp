@@ -1,0 +1,59 @@
+// recording_backend.cpp: forwarding plus segment events (see recording_backend.h).
+#include "recording_backend.h"
+
+namespace cachealloc::plugin {
+
+RecordingBackend::RecordingBackend(std::unique_ptr<DeviceBackend> inner, Recorder& recorder)
+    : inner_(std::move(inner)), inner_vm_(inner_->virtual_memory()), recorder_(recorder) {
+  if (inner_vm_ != nullptr) {
+    attach(*this);
+  }
+}
+
+RecordingBackend::~RecordingBackend() = default;
+
+void* RecordingBackend::do_reserve(std::size_t bytes) {
+  void* ptr = inner_->reserve(bytes);
+  if (ptr != nullptr) {
+    recorder_.record(trace::Action::segment_alloc, device(), reinterpret_cast<std::uintptr_t>(ptr),
+                     bytes, 0);
+  }
+  return ptr;
+}
+
+void RecordingBackend::do_release(void* ptr, std::size_t bytes) noexcept {
+  recorder_.record(trace::Action::segment_free, device(), reinterpret_cast<std::uintptr_t>(ptr),
+                   bytes, 0);
+  inner_->release(ptr, bytes);
+}
+
+PhysicalHandle RecordingBackend::do_create_physical(std::size_t bytes) {
+  physical_sizes_.reserve(physical_sizes_.size() + 1);  // no allocation after the handle exists
+  const PhysicalHandle handle = inner_vm_->create_physical(bytes);
+  if (handle != 0) {
+    physical_sizes_.emplace(handle, bytes);
+  }
+  return handle;
+}
+
+void RecordingBackend::do_release_physical(PhysicalHandle handle) noexcept {
+  const auto it = physical_sizes_.find(handle);
+  if (it == physical_sizes_.end()) {
+    return;  // not ours: the base class already refused to count it
+  }
+  const std::size_t bytes = it->second;
+  physical_sizes_.erase(it);
+  inner_vm_->release_physical(handle, bytes);
+}
+
+void RecordingBackend::do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) {
+  inner_vm_->map(va, bytes, handle);
+  recorder_.record(trace::Action::segment_map, device(), va, bytes, 0);
+}
+
+void RecordingBackend::do_unmap(std::uintptr_t va, std::size_t bytes) {
+  inner_vm_->unmap(va, bytes);
+  recorder_.record(trace::Action::segment_unmap, device(), va, bytes, 0);
+}
+
+}  // namespace cachealloc::plugin

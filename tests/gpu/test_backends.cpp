@@ -1,0 +1,308 @@
+// test_backends.cpp: the CUDA backends on their own: cudaMalloc and pooled events
+// (cuda_runtime), map/unmap round trips and granularity (cuda_vmm), the private memory pool
+// and its attributes (cuda_async), and the factory.
+#include "gpu_test_util.h"
+#include "kernels.h"
+
+#include <cachealloc/cuda/async_backend.h>
+#include <cachealloc/cuda/runtime_backend.h>
+#include <cachealloc/cuda/vmm_backend.h>
+#include <cachealloc/errors.h>
+
+#include <cstdio>
+#include <limits>
+
+namespace cachealloc::gpu_test {
+namespace {
+
+constexpr std::uint64_t kSeed = 0xBACC;
+
+int current_device() {
+  int d = -1;
+  GPU_REQUIRE_OK(cudaGetDevice(&d));
+  return d;
+}
+
+bool is_hopper_h100_or_h200(int device) {
+  const std::string name = cuda_device_name(device);
+  return name.find("H200") != std::string::npos || name.find("H100") != std::string::npos;
+}
+
+}  // namespace
+
+TEST_CASE("factory and device queries", "[gpu][factory]") {
+  CHECK(cuda_device_count() >= 1);
+  const std::string name = cuda_device_name(test_device());
+  CHECK_FALSE(name.empty());
+  Config config;
+  CHECK_THROWS_AS(make_cuda_backend("bogus", test_device(), config), ConfigError);
+  CHECK(make_cuda_backend("runtime", test_device(), config)->name() == "cuda_runtime");
+  CHECK(make_cuda_backend("virtual_memory", test_device(), config)->name() == "cuda_vmm");
+  CHECK(make_cuda_backend("stream_ordered", test_device(), config)->name() == "cuda_async");
+  CHECK(cuda_backend_config_keys("stream_ordered") == CudaAsyncBackend::config_keys());
+  CHECK(cuda_backend_config_keys("runtime").empty());
+  CHECK_THROWS_AS(make_cuda_backend("runtime", cuda_device_count(), config), DeviceError);
+}
+
+TEST_CASE("cuda_runtime: cudaMalloc, out of memory, pooled events", "[gpu][runtime]") {
+  const int before = current_device();
+  CudaRuntimeBackend backend(test_device());
+  CHECK(current_device() == before);
+  CHECK(backend.total_memory() > 0);
+  CHECK(backend.free_memory() <= backend.total_memory());
+  TestStream s;
+
+  SECTION("reserve/release round trip") {
+    void* p = backend.reserve(3 * kMiB);
+    REQUIRE(p != nullptr);
+    CHECK(reinterpret_cast<std::uintptr_t>(p) % 512 == 0);
+    CHECK(backend.held_bytes() == 3 * kMiB);
+    GPU_REQUIRE_OK(launch_fill(p, 3 * kMiB, 1, kSeed, s.get()));
+    DeviceCounter mismatches;
+    GPU_REQUIRE_OK(launch_verify(p, 3 * kMiB, 1, kSeed, mismatches.get(), s.get()));
+    CHECK(mismatches.read() == 0);
+    backend.release(p, 3 * kMiB);
+    CHECK(backend.held_bytes() == 0);
+    CHECK(backend.counters().reserve_calls == 1);
+    CHECK(backend.counters().release_calls == 1);
+  }
+
+  SECTION("out of memory returns nullptr and clears the runtime's error") {
+    CHECK(backend.reserve(backend.total_memory() + kGiB) == nullptr);
+    CHECK(backend.counters().failed_reserves == 1);
+    CHECK(cudaGetLastError() == cudaSuccess);
+    void* p = backend.reserve(kMiB);
+    CHECK(p != nullptr);
+    backend.release(p, kMiB);
+  }
+
+  SECTION("limit: reserve beyond it returns nullptr without calling the device") {
+    backend.set_limit(8 * kMiB);
+    CHECK(backend.reserve(16 * kMiB) == nullptr);
+    void* p = backend.reserve(8 * kMiB);
+    CHECK(p != nullptr);
+    backend.release(p, 8 * kMiB);
+  }
+
+  SECTION("events: pending while the stream is busy, done after; reused from the pool") {
+    GPU_REQUIRE_OK(launch_spin(cycles_for_ms(20), s.get()));
+    const EventId ev = backend.record_event(s.id());
+    CHECK_FALSE(backend.query_event(ev));
+    CHECK(cudaGetLastError() == cudaSuccess);  // cudaErrorNotReady was cleared
+    backend.synchronize_event(ev);
+    CHECK(backend.query_event(ev));
+    backend.destroy_event(ev);
+    const EventId again = backend.record_event(s.id());
+    CHECK(again == ev);  // from the pool, not a new cudaEventCreate
+    CHECK(backend.event_pool().created() == 1);
+    backend.destroy_event(again);
+    std::vector<EventId> many;
+    for (int i = 0; i < 40; ++i) {
+      many.push_back(backend.record_event(i % 2 == 0 ? s.id() : StreamId{0}));
+    }
+    for (EventId e : many) {
+      backend.synchronize_event(e);
+      backend.destroy_event(e);
+    }
+    CHECK(backend.event_pool().created() == 40);
+    CHECK(backend.event_pool().idle() == 40);
+  }
+  CHECK(current_device() == before);
+}
+
+TEST_CASE("cuda_vmm: granularity, map/unmap round trip, remapping keeps data", "[gpu][vmm]") {
+  CudaVmmBackend backend(test_device());
+  VirtualMemory* vm = backend.virtual_memory();
+  REQUIRE(vm != nullptr);
+  const std::size_t g = vm->granularity();
+  std::printf("cuda_vmm on %s: granularity %s (recommended), %s (minimum)\n",
+              cuda_device_name(test_device()).c_str(), format_bytes(g).c_str(),
+              format_bytes(backend.minimum_granularity()).c_str());
+  REQUIRE(g > 0);
+  CHECK(g % backend.minimum_granularity() == 0);
+  if (is_hopper_h100_or_h200(test_device())) {
+    CHECK(g == 2 * kMiB);
+  }
+  TestStream s;
+  DeviceCounter mismatches;
+
+  const std::uintptr_t va = vm->reserve_address(4 * g);
+  REQUIRE(va != 0);
+  CHECK(va % g == 0);
+  const PhysicalHandle first = vm->create_physical(2 * g);
+  const PhysicalHandle second = vm->create_physical(2 * g);
+  REQUIRE(first != 0);
+  REQUIRE(second != 0);
+  CHECK(vm->physical_bytes() == 4 * g);
+  CHECK(backend.held_bytes() == 4 * g);
+  vm->map(va, 2 * g, first);
+  vm->map(va + 2 * g, 2 * g, second);
+  auto* base = reinterpret_cast<void*>(va);
+  GPU_REQUIRE_OK(launch_fill(base, 4 * g, 1, kSeed, s.get()));
+  GPU_REQUIRE_OK(launch_verify(base, 4 * g, 1, kSeed, mismatches.get(), s.get()));
+  CHECK(mismatches.read() == 0);
+
+  // Unmap the first half and map its physical memory at a new address: the data moves with it.
+  GPU_REQUIRE_OK(cudaStreamSynchronize(s.get()));
+  vm->unmap(va, 2 * g);
+  const std::uintptr_t va2 = vm->reserve_address(2 * g);
+  vm->map(va2, 2 * g, first);
+  GPU_REQUIRE_OK(launch_verify(reinterpret_cast<void*>(va2), 2 * g, 1, kSeed, mismatches.get(), s.get()));
+  CHECK(mismatches.read() == 0);
+  // ...and back where it was, next to the second half: the whole range reads as before.
+  GPU_REQUIRE_OK(cudaStreamSynchronize(s.get()));
+  vm->unmap(va2, 2 * g);
+  vm->map(va, 2 * g, first);
+  GPU_REQUIRE_OK(launch_verify(base, 4 * g, 1, kSeed, mismatches.get(), s.get()));
+  CHECK(mismatches.read() == 0);
+
+  CHECK(backend.counters().map_calls == 4);
+  CHECK(backend.counters().unmap_calls == 2);
+  CHECK(backend.counters().physical_creates == 2);
+
+  SECTION("out of memory from cuMemCreate returns handle 0") {
+    const std::size_t too_much = round_up(backend.total_memory() + kGiB, g);
+    CHECK(vm->create_physical(too_much) == 0);
+    CHECK(backend.counters().failed_reserves == 1);
+    CHECK(cudaGetLastError() == cudaSuccess);
+  }
+  SECTION("the non-VMM half is cudaMalloc") {
+    void* p = backend.reserve(kMiB);
+    REQUIRE(p != nullptr);
+    backend.release(p, kMiB);
+  }
+
+  // One unmap over two adjacent mappings (defrag unmaps runs of pages, one handle each, so).
+  GPU_REQUIRE_OK(cudaStreamSynchronize(s.get()));
+  vm->unmap(va, 4 * g);
+  vm->release_physical(first, 2 * g);
+  vm->release_physical(second, 2 * g);
+  vm->free_address(va2, 2 * g);
+  vm->free_address(va, 4 * g);
+  CHECK(backend.held_bytes() == 0);
+  CHECK(vm->physical_bytes() == 0);
+}
+
+TEST_CASE("cuda_async: private pool, stream-ordered allocation, attributes", "[gpu][async]") {
+  TestStream s;
+
+  SECTION("defaults keep memory; trim_to releases it; attributes track use") {
+    CudaAsyncBackend backend(test_device());
+    CHECK(backend.options().release_threshold == std::numeric_limits<std::uint64_t>::max());
+    cudaMemPool_t default_pool = nullptr;
+    GPU_REQUIRE_OK(cudaDeviceGetDefaultMemPool(&default_pool, test_device()));
+    CHECK(backend.pool() != default_pool);
+
+    void* p = backend.allocate_async(64 * kMiB, s.id());
+    REQUIRE(p != nullptr);
+    CHECK(backend.used_current() >= 64 * kMiB);
+    CHECK(backend.reserved_current() >= backend.used_current());
+    GPU_REQUIRE_OK(launch_fill(p, 64 * kMiB, 3, kSeed, s.get()));
+    DeviceCounter mismatches;
+    GPU_REQUIRE_OK(launch_verify(p, 64 * kMiB, 3, kSeed, mismatches.get(), s.get()));
+    CHECK(mismatches.read() == 0);
+    backend.free_async(p, s.id());
+    GPU_REQUIRE_OK(cudaStreamSynchronize(s.get()));
+    CHECK(backend.used_current() == 0);
+    CHECK(backend.reserved_current() >= 64 * kMiB);  // threshold UINT64_MAX: kept
+    CHECK(backend.used_high() >= 64 * kMiB);
+    CHECK(backend.reserved_high() >= 64 * kMiB);
+    backend.trim_to(0);
+    CHECK(backend.reserved_current() == 0);
+    backend.reset_high_watermarks();
+    CHECK(backend.reserved_high() == backend.reserved_current());
+    CHECK(backend.async_allocations() == 1);
+    CHECK(backend.async_frees() == 1);
+  }
+
+  SECTION("out of memory and the limit return nullptr") {
+    CudaAsyncBackend backend(test_device());
+    CHECK(backend.allocate_async(backend.total_memory() + kGiB, s.id()) == nullptr);
+    CHECK(cudaGetLastError() == cudaSuccess);
+    backend.set_limit(32 * kMiB);
+    CHECK(backend.allocate_async(64 * kMiB, s.id()) == nullptr);
+    void* p = backend.allocate_async(16 * kMiB, s.id());
+    CHECK(p != nullptr);
+    backend.free_async(p, s.id());
+    CHECK(backend.counters().failed_reserves == 2);
+  }
+
+  SECTION("reserve() allocates on the legacy stream and is usable on any stream at once") {
+    CudaAsyncBackend backend(test_device());
+    void* p = backend.reserve(8 * kMiB);
+    REQUIRE(p != nullptr);
+    GPU_REQUIRE_OK(launch_fill(p, 8 * kMiB, 4, kSeed, s.get()));
+    DeviceCounter mismatches;
+    GPU_REQUIRE_OK(launch_verify(p, 8 * kMiB, 4, kSeed, mismatches.get(), s.get()));
+    CHECK(mismatches.read() == 0);
+    backend.release(p, 8 * kMiB);
+    CHECK(backend.used_current() == 0);
+  }
+
+  SECTION("make_stream_wait orders one stream after another's event") {
+    CudaAsyncBackend backend(test_device());
+    TestStream waiter;
+    GPU_REQUIRE_OK(launch_spin(cycles_for_ms(20), s.get()));
+    const EventId done = backend.record_event(s.id());
+    backend.make_stream_wait(waiter.id(), done);
+    const EventId after = backend.record_event(waiter.id());
+    CHECK_FALSE(backend.query_event(after));
+    backend.synchronize_event(after);
+    CHECK(backend.query_event(done));
+    backend.destroy_event(done);
+    backend.destroy_event(after);
+  }
+
+  SECTION("settings come from CACHEALLOC_CONF") {
+    Config config = Config::parse(
+        "async_release_threshold:0,async_reuse_allow_opportunistic:False,"
+        "async_reuse_follow_event_dependencies:0,async_reuse_allow_internal_dependencies:false");
+    auto made = make_cuda_backend("stream_ordered", test_device(), config);
+    config.finish("test", cuda_backend_config_keys("stream_ordered"));
+    auto& backend = dynamic_cast<CudaAsyncBackend&>(*made);
+    CHECK(backend.options().release_threshold == 0);
+    CHECK_FALSE(backend.options().reuse_allow_opportunistic);
+    CHECK_FALSE(backend.options().reuse_follow_event_dependencies);
+    CHECK_FALSE(backend.options().reuse_allow_internal_dependencies);
+    int value = 1;
+    GPU_REQUIRE_OK(cudaMemPoolGetAttribute(backend.pool(), cudaMemPoolReuseAllowOpportunistic, &value));
+    CHECK(value == 0);
+    void* p = backend.allocate_async(32 * kMiB, s.id());
+    REQUIRE(p != nullptr);
+    backend.free_async(p, s.id());
+    GPU_REQUIRE_OK(cudaStreamSynchronize(s.get()));  // threshold 0: the pool releases at syncs
+    CHECK(backend.reserved_current() == 0);
+  }
+}
+
+TEST_CASE("stream-ordered policies: pool attributes agree with the front end's stats",
+          "[gpu][async]") {
+  const std::vector<std::string> policies = gpu_policy_names(BackendNeed::stream_ordered);
+  if (policies.empty()) {
+    WARN("no stream-ordered policy is registered yet; nothing to compare");
+    return;
+  }
+  for (const std::string& policy : policies) {
+    INFO("policy " << policy);
+    auto alloc = make_gpu_allocator(policy);
+    auto& backend = dynamic_cast<CudaAsyncBackend&>(alloc->backend());
+    TestStream s;
+    std::vector<void*> live;
+    for (std::size_t bytes : {std::size_t{512}, 3 * kMiB, 40 * kMiB, 100 * kKiB}) {
+      live.push_back(alloc->allocate(bytes, s.id()));
+    }
+    Stats st = alloc->stats();
+    CHECK(static_cast<std::uint64_t>(st.reserved_bytes.current) == backend.reserved_current());
+    CHECK(backend.used_current() >= static_cast<std::uint64_t>(st.allocated_bytes.current));
+    for (void* p : live) {
+      alloc->deallocate(p);
+    }
+    GPU_REQUIRE_OK(cudaStreamSynchronize(s.get()));
+    alloc->empty_cache();
+    st = alloc->stats();
+    CHECK(st.allocated_bytes.current == 0);
+    CHECK(static_cast<std::uint64_t>(st.reserved_bytes.current) == backend.reserved_current());
+  }
+}
+
+}  // namespace cachealloc::gpu_test

@@ -1,0 +1,91 @@
+// test_record_stream.cpp: record_stream safety on the real device, for every policy.
+//
+// Block A is allocated on s1 and used by a long kernel on s2: the kernel writes its own pattern
+// into A, spins ~50 ms, then re-reads A and counts words that changed. Meanwhile the host calls
+// record_stream(A, s2), frees A, and at once allocates blocks of A's size on s1 and overwrites
+// them with a different pattern from s1. If the allocator handed A out again before s2 was done
+// with it, the s2 kernel sees its data changed (mismatches > 0, wrong checksum).
+#include "gpu_test_util.h"
+#include "kernels.h"
+
+#include <cachealloc/errors.h>
+
+#include <cstdio>
+
+namespace cachealloc::gpu_test {
+
+TEST_CASE("record_stream keeps a block from reuse while the other stream uses it",
+          "[gpu][record_stream]") {
+  const std::string policy = GENERATE(from_range(gpu_policy_names()));
+  CAPTURE(policy);
+  auto alloc = make_gpu_allocator(policy);
+  TestStream s1;
+  TestStream s2;
+  constexpr std::uint64_t kSeed = 77;
+  constexpr int kReallocations = 8;
+
+  for (const std::size_t bytes : {std::size_t{64} * kKiB, 8 * kMiB}) {
+    INFO("bytes " << bytes);
+    void* a = alloc->allocate(bytes, s1.id());
+    GPU_REQUIRE_OK(launch_fill(a, bytes, 1, kSeed, s1.get()));  // s1's own use of A
+    cudaEvent_t filled = nullptr;
+    GPU_REQUIRE_OK(cudaEventCreateWithFlags(&filled, cudaEventDisableTiming));
+    GPU_REQUIRE_OK(cudaEventRecord(filled, s1.get()));
+    GPU_REQUIRE_OK(cudaStreamWaitEvent(s2.get(), filled, 0));
+
+    DeviceCounter mismatches;
+    DeviceCounter checksum;
+    GPU_REQUIRE_OK(launch_hold_and_check(a, bytes, 2, kSeed, cycles_for_ms(50), multiprocessor_count(),
+                                         mismatches.get(), checksum.get(), s2.get()));
+    alloc->record_stream(a, s2.id());
+    alloc->deallocate(a);
+    CHECK(alloc->pending_frees() == 1);
+
+    bool reused_while_busy = false;
+    std::vector<void*> later;
+    for (int i = 0; i < kReallocations; ++i) {
+      void* b = alloc->allocate(bytes, s1.id());
+      const cudaError_t s2_state = cudaStreamQuery(s2.get());
+      (void)cudaGetLastError();
+      if (b == a && s2_state == cudaErrorNotReady) {
+        reused_while_busy = true;
+      }
+      GPU_REQUIRE_OK(launch_fill(b, bytes, 100 + static_cast<std::uint64_t>(i), kSeed, s1.get()));
+      later.push_back(b);
+    }
+    const cudaError_t s2_after = cudaStreamQuery(s2.get());
+    (void)cudaGetLastError();
+    if (s2_after != cudaErrorNotReady) {
+      WARN("s2's kernel finished before the reallocations did; the test did not race");
+    }
+    CHECK_FALSE(reused_while_busy);
+
+    GPU_REQUIRE_OK(cudaStreamSynchronize(s2.get()));
+    GPU_REQUIRE_OK(cudaStreamSynchronize(s1.get()));
+    CHECK(mismatches.read() == 0);
+    CHECK(checksum.read() == expected_checksum(bytes, 2, kSeed));
+
+    DeviceCounter later_mismatches;
+    for (int i = 0; i < kReallocations; ++i) {
+      GPU_REQUIRE_OK(launch_verify(later[i], bytes, 100 + static_cast<std::uint64_t>(i), kSeed,
+                                   later_mismatches.get(), s1.get()));
+    }
+    CHECK(later_mismatches.read() == 0);
+    for (void* b : later) {
+      alloc->deallocate(b);
+    }
+    // s2 finished: the parked free completes at the next allocation (or empty_cache).
+    void* c = alloc->allocate(bytes, s1.id());
+    CHECK(alloc->pending_frees() == 0);
+    alloc->deallocate(c);
+    GPU_REQUIRE_OK(cudaEventDestroy(filled));
+  }
+  alloc->check_invariants();
+  alloc->empty_cache();
+  const Stats s = alloc->stats();
+  CHECK(s.allocated_bytes.current == 0);
+  CHECK(s.active_bytes.current == 0);
+  CHECK(s.reserved_bytes.current == 0);
+}
+
+}  // namespace cachealloc::gpu_test

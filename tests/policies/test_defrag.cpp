@@ -1,0 +1,966 @@
+// test_defrag.cpp: policy `defrag` on the simulated device: packing, page moves, stream safety
+// (checked by an oracle backend that knows what each stream's queued work touches), settings,
+// failures, adversarial patterns and fixed-seed randomized sequences checked after every step.
+#include <cachealloc/allocator.h>
+#include <cachealloc/errors.h>
+#include <cachealloc/policies/defrag.h>
+#include <cachealloc/sim_backend.h>
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+using namespace cachealloc;
+
+namespace {
+
+constexpr std::size_t MiB = kMiB;
+
+#ifndef CACHEALLOC_CHECK_LEVEL
+#define CACHEALLOC_CHECK_LEVEL 2
+#endif
+
+DefragSettings settings_from(const std::string& text) {
+  Config config = Config::parse(text);
+  DefragSettings s = DefragPolicy::parse_settings(config);
+  config.finish("defrag", DefragPolicy::config_keys());
+  return s;
+}
+
+std::uintptr_t addr_of(const Block& b) { return reinterpret_cast<std::uintptr_t>(b.ptr); }
+
+bool overlap(std::uintptr_t a, std::size_t an, std::uintptr_t b, std::size_t bn) {
+  return a < b + bn && b < a + an;
+}
+
+/// A backend without virtual memory (cudaMalloc only).
+class RuntimeOnlyBackend final : public DeviceBackend {
+ public:
+  [[nodiscard]] std::string_view name() const noexcept override { return "runtime-only"; }
+  [[nodiscard]] int device() const noexcept override { return 0; }
+  [[nodiscard]] std::size_t total_memory() const override { return kGiB; }
+  [[nodiscard]] std::size_t free_memory() const override { return kGiB; }
+  [[nodiscard]] EventId record_event(StreamId) override { return 1; }
+  [[nodiscard]] bool query_event(EventId) override { return true; }
+  void synchronize_event(EventId) override {}
+  void destroy_event(EventId) noexcept override {}
+
+ private:
+  [[nodiscard]] void* do_reserve(std::size_t) override { return nullptr; }
+  void do_release(void*, std::size_t) noexcept override {}
+};
+
+/// The stream-use oracle. Memory calls go to an inner SimBackend (which checks the mapping
+/// rules); streams are modelled here: the test says which address ranges each stream's queued
+/// work touches (use) and when a stream's work finished (complete). An event recorded on a
+/// stream completes once the work queued before it did; waiting for an event finishes that
+/// work (as cudaEventSynchronize returns only then). Unmapping a range that unfinished work
+/// touches is recorded as a violation; the test checks new blocks against the same uses.
+class OracleBackend final : public DeviceBackend, private VirtualMemory {
+ public:
+  explicit OracleBackend(std::size_t capacity)
+      : inner_(SimOptions{0, capacity, 2 * MiB, false}), vm_(*inner_.virtual_memory()) {
+    attach(*this);
+  }
+
+  [[nodiscard]] std::string_view name() const noexcept override { return "oracle"; }
+  [[nodiscard]] int device() const noexcept override { return 0; }
+  [[nodiscard]] std::size_t total_memory() const override { return inner_.total_memory(); }
+  [[nodiscard]] std::size_t free_memory() const override { return inner_.free_memory(); }
+  [[nodiscard]] VirtualMemory* virtual_memory() noexcept override { return this; }
+
+  [[nodiscard]] EventId record_event(StreamId stream) override {
+    maybe_fail();
+    const EventId id = next_event_++;
+    events_[id] = {stream, submitted_[stream]};
+    return id;
+  }
+  [[nodiscard]] bool query_event(EventId event) override {
+    maybe_fail();
+    const auto& [stream, seq] = events_.at(event);
+    return completed_[stream] >= seq;
+  }
+  void synchronize_event(EventId event) override {
+    maybe_fail();
+    const auto& [stream, seq] = events_.at(event);
+    completed_[stream] = std::max(completed_[stream], seq);
+    ++waits_;
+  }
+  void destroy_event(EventId event) noexcept override { events_.erase(event); }
+
+  /// Work queued on `stream` now touches [va, va + bytes).
+  void use(StreamId stream, std::uintptr_t va, std::size_t bytes) {
+    uses_.push_back({stream, ++submitted_[stream], va, bytes});
+  }
+  /// All work queued on `stream` so far finished.
+  void complete(StreamId stream) { completed_[stream] = submitted_[stream]; }
+  /// True when unfinished work (of a stream other than `except`, unless `any`) touches
+  /// [va, va + bytes).
+  [[nodiscard]] bool busy(std::uintptr_t va, std::size_t bytes, StreamId except, bool any) const {
+    for (const Use& u : uses_) {
+      if ((any || u.stream != except) && u.seq > completed(u.stream) &&
+          overlap(u.va, u.bytes, va, bytes)) {
+        return true;
+      }
+    }
+    return false;
+  }
+  [[nodiscard]] std::uint64_t completed(StreamId stream) const {
+    auto it = completed_.find(stream);
+    return it == completed_.end() ? 0 : it->second;
+  }
+  /// Forgets finished work (keeps the checks fast).
+  void prune() {
+    std::erase_if(uses_, [&](const Use& u) { return u.seq <= completed_[u.stream]; });
+  }
+  /// The next device event call throws DeviceError (fault injection for event calls).
+  void fail_next_event_call() { fail_event_ = true; }
+  void clear_faults() {
+    fail_event_ = false;
+    inner_.clear_faults();
+  }
+
+  [[nodiscard]] SimBackend& inner() noexcept { return inner_; }
+  [[nodiscard]] const std::vector<std::string>& violations() const noexcept { return violations_; }
+  [[nodiscard]] std::uint64_t waits() const noexcept { return waits_; }
+
+ private:
+  struct Use {
+    StreamId stream;
+    std::uint64_t seq;
+    std::uintptr_t va;
+    std::size_t bytes;
+  };
+  void maybe_fail() {
+    if (fail_event_) {
+      fail_event_ = false;
+      throw DeviceError("oracle: injected event failure");
+    }
+  }
+  [[nodiscard]] void* do_reserve(std::size_t) override { return nullptr; }
+  void do_release(void*, std::size_t) noexcept override {}
+  [[nodiscard]] std::size_t granularity() const noexcept override { return vm_.granularity(); }
+  [[nodiscard]] std::uintptr_t reserve_address(std::size_t bytes) override {
+    return vm_.reserve_address(bytes);
+  }
+  void free_address(std::uintptr_t va, std::size_t bytes) noexcept override {
+    vm_.free_address(va, bytes);
+  }
+  [[nodiscard]] PhysicalHandle do_create_physical(std::size_t bytes) override {
+    const PhysicalHandle h = vm_.create_physical(bytes);
+    if (h != 0) {
+      sizes_[h] = bytes;
+    }
+    return h;
+  }
+  void do_release_physical(PhysicalHandle handle) noexcept override {
+    vm_.release_physical(handle, sizes_[handle]);
+    sizes_.erase(handle);
+  }
+  void do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) override {
+    vm_.map(va, bytes, handle);
+  }
+  void do_unmap(std::uintptr_t va, std::size_t bytes) override {
+    if (busy(va, bytes, 0, /*any=*/true)) {
+      violations_.push_back("unmapped [" + std::to_string(va) + ", +" + std::to_string(bytes) +
+                            ") while a stream's work on it was unfinished");
+    }
+    vm_.unmap(va, bytes);
+  }
+
+  SimBackend inner_;
+  VirtualMemory& vm_;
+  std::unordered_map<PhysicalHandle, std::size_t> sizes_;
+  std::map<EventId, std::pair<StreamId, std::uint64_t>> events_;
+  std::map<StreamId, std::uint64_t> submitted_;
+  std::map<StreamId, std::uint64_t> completed_;
+  std::vector<Use> uses_;
+  std::vector<std::string> violations_;
+  EventId next_event_ = 1;
+  std::uint64_t waits_ = 0;
+  bool fail_event_ = false;
+};
+
+/// A policy on its own simulated device (no front end), checked after every call.
+struct Fixture {
+  explicit Fixture(const std::string& conf = "", std::size_t capacity = 8 * kGiB,
+                   bool auto_complete = true)
+      : sim(SimOptions{0, capacity, 2 * MiB, auto_complete}), policy(sim, settings_from(conf)) {}
+  Block alloc(std::size_t bytes, StreamId stream = 0) {
+    Block b = policy.allocate(bytes, stream);
+    check();
+    if (b) {
+      CHECK(sim.is_mapped(addr_of(b), b.size));
+    }
+    return b;
+  }
+  void free(Block b, StreamId stream = 0) {
+    policy.deallocate(b, stream);
+    check();
+  }
+  void check() const {
+    policy.check_invariants();
+    CHECK(sim.mapped_bytes_now() == policy.reserved_bytes());
+  }
+  [[nodiscard]] std::size_t free_holes() const {
+    std::size_t n = 0;
+    policy.visit_segments([&](const SegmentView& s) {
+      for (const BlockView& b : s.blocks) {
+        n += b.allocated ? 0 : 1;
+      }
+    });
+    return n;
+  }
+  SimBackend sim;
+  DefragPolicy policy;
+};
+
+/// The oracle's counterpart of Fixture: every free first queues work on the block's stream.
+struct OracleFixture {
+  explicit OracleFixture(const std::string& conf = "grow_slack:0", std::size_t capacity = 4 * kGiB)
+      : backend(capacity), policy(backend, settings_from(conf)) {}
+  Block alloc(std::size_t bytes, StreamId stream) {
+    Block b = policy.allocate(bytes, stream);
+    if (b) {
+      INFO("block of " << bytes << " on stream " << stream);
+      CHECK_FALSE(backend.busy(addr_of(b), b.size, stream, /*any=*/false));
+      CHECK(backend.inner().is_mapped(addr_of(b), b.size));
+    }
+    check();
+    return b;
+  }
+  /// A kernel on `stream` uses the block, then the block is freed (still in use).
+  void use_and_free(Block b, StreamId stream) {
+    backend.use(stream, addr_of(b), b.size);
+    policy.deallocate(b, stream);
+    check();
+  }
+  void check() const {
+    policy.check_invariants();
+    CHECK(backend.violations().empty());
+  }
+  OracleBackend backend;
+  DefragPolicy policy;
+};
+
+/// Peak reserved / peak requested of a workload run through the front end on a simulated device
+/// whose streams keep up (tick() between operations, as the replay does).
+struct Ratio {
+  double value;
+  std::uint64_t maps;
+};
+
+class Workload {
+ public:
+  explicit Workload(const std::string& conf = "")
+      : config_(Config::parse(conf)),
+        allocator_(std::make_unique<SimBackend>(SimOptions{0, 64 * kGiB, 2 * MiB, false}), config_) {
+    sim_ = static_cast<SimBackend*>(&allocator_.backend());
+  }
+  void* alloc(std::size_t bytes, StreamId stream = 0) {
+    sim_->tick();
+    void* p = allocator_.allocate(bytes, stream);
+    sizes_[p] = bytes;
+    requested_ += bytes;
+    peak_requested_ = std::max(peak_requested_, requested_);
+    step();
+    return p;
+  }
+  void free(void* p) {
+    sim_->tick();
+    requested_ -= sizes_.at(p);
+    sizes_.erase(p);
+    allocator_.deallocate(p);
+    step();
+  }
+  [[nodiscard]] Ratio ratio() const {
+    const Stats s = allocator_.stats();
+    return {static_cast<double>(s.reserved_bytes.peak) / static_cast<double>(peak_requested_),
+            s.num_maps};
+  }
+  [[nodiscard]] std::uint64_t maps() const { return allocator_.stats().num_maps; }
+  CachingAllocator<DefragPolicy>& allocator() { return allocator_; }
+
+ private:
+  void step() {
+    if (CACHEALLOC_CHECK_LEVEL >= 2 || ++steps_ % 64 == 0) {
+      allocator_.check_invariants();
+    }
+  }
+  Config config_;
+  CachingAllocator<DefragPolicy> allocator_;
+  SimBackend* sim_ = nullptr;
+  std::unordered_map<void*, std::size_t> sizes_;
+  std::size_t requested_ = 0;
+  std::size_t peak_requested_ = 1;
+  std::uint64_t steps_ = 0;
+};
+
+}  // namespace
+
+// ============================================================================ settings
+
+TEST_CASE("defrag: needs a backend with virtual memory", "[defrag][config]") {
+  RuntimeOnlyBackend backend;
+  Config config;
+  CHECK_THROWS_WITH(DefragPolicy(backend, config),
+                    Catch::Contains("policy defrag needs a backend with CUDA virtual memory"));
+}
+
+TEST_CASE("defrag: settings come from CACHEALLOC_CONF and are validated", "[defrag][config]") {
+  const DefragSettings d = settings_from("");
+  CHECK(d.grow_slack == 0.01);
+  CHECK(d.small_size == 1 * MiB);
+  CHECK(d.wait_for_streams);
+  CHECK(d.va_reserve_bytes == 0);
+  const DefragSettings s =
+      settings_from("va_reserve_gb:0.5,grow_slack:0.005,small_size:64KB,wait_for_streams:False");
+  CHECK(s.va_reserve_bytes == 512 * MiB);
+  CHECK(s.grow_slack == 0.005);
+  CHECK(s.small_size == 64 * kKiB);
+  CHECK_FALSE(s.wait_for_streams);
+  CHECK(settings_from("small_size:0").small_size == 0);
+  CHECK_THROWS_AS(settings_from("grow_slack:2"), ConfigError);
+  CHECK_THROWS_AS(settings_from("grow_slack:-0.1"), ConfigError);
+  CHECK_THROWS_AS(settings_from("va_reserve_gb:0"), ConfigError);
+  CHECK_THROWS_AS(settings_from("small_size:2GB"), ConfigError);
+  CHECK_THROWS_AS(settings_from("wait_for_streams:maybe"), ConfigError);
+  CHECK_THROWS_WITH(settings_from("grow_slak:0.1"), Catch::Contains("grow_slack"));
+  const auto keys = DefragPolicy::config_keys();
+  CHECK(keys.size() == 4);
+}
+
+// ============================================================================ placement
+
+TEST_CASE("defrag: blocks are packed and share the pages at their edges", "[defrag]") {
+  Fixture f;
+  std::vector<Block> blocks;
+  std::size_t total = 0;
+  for (int i = 0; i < 5; ++i) {
+    blocks.push_back(f.alloc(3 * MiB + 512));
+    total += 3 * MiB + 512;
+    if (i > 0) {
+      CHECK(addr_of(blocks[i]) == addr_of(blocks[i - 1]) + blocks[i - 1].size);  // packed
+    }
+  }
+  CHECK(f.policy.reserved_bytes() == round_up(total, 2 * MiB));  // 8 pages, not 5 x 2 pages
+  CHECK(f.policy.live_bytes() == total);
+  for (const Block& b : blocks) {
+    f.free(b);
+  }
+  CHECK(f.free_holes() == 1);  // coalesced back into one hole
+}
+
+TEST_CASE("defrag: small requests share pages in their own address range", "[defrag]") {
+  Fixture f;
+  const Block big = f.alloc(5 * MiB);
+  std::vector<Block> small;
+  for (int i = 0; i < 1000; ++i) {
+    small.push_back(f.alloc(1000));
+    CHECK(small.back().size == 1024);
+    CHECK(addr_of(small.back()) % 512 == 0);
+  }
+  CHECK(f.policy.reserved_bytes() == 3 * 2 * MiB + 2 * MiB);  // 3 pages + 1 page for 1000 x 1 KiB
+  for (const Block& b : small) {
+    CHECK_FALSE(overlap(addr_of(b), b.size, addr_of(big) & ~(2 * MiB - 1), 6 * MiB));
+  }
+  // With small_size:0 every size shares one range.
+  Fixture g("small_size:0");
+  const Block a = g.alloc(3 * MiB);
+  const Block b = g.alloc(1000);
+  CHECK(addr_of(b) == addr_of(a) + a.size);
+  CHECK(g.policy.reserved_bytes() == 2 * 2 * MiB);
+}
+
+TEST_CASE("defrag: pages under free holes move where memory is needed", "[defrag]") {
+  Fixture f("grow_slack:0", 8 * kGiB, /*auto_complete=*/false);
+  std::vector<Block> blocks;
+  for (int i = 0; i < 10; ++i) {
+    blocks.push_back(f.alloc(20 * MiB));
+  }
+  CHECK(f.policy.reserved_bytes() == 200 * MiB);
+  for (int i = 0; i < 10; i += 2) {
+    f.free(blocks[i]);  // five holes of 20 MiB, no hole fits 90 MiB
+  }
+  const DefragCounters before = f.policy.counters();
+  const Block big = f.alloc(90 * MiB);
+  REQUIRE(big);
+  const DefragCounters after = f.policy.counters();
+  CHECK(after.pages_moved - before.pages_moved >= 40);
+  CHECK(after.pages_created - before.pages_created <= 5);
+  CHECK(f.policy.reserved_bytes() <= 200 * MiB);  // peak live is 190 MiB: no growth
+  CHECK(after.stream_waits - before.stream_waits == 1);  // the frees were this stream's: one wait
+  CHECK(f.sim.counters().unmap_calls == 5);  // one unmap call per hole
+}
+
+TEST_CASE("defrag: grow_slack lets memory grow before pages move", "[defrag]") {
+  Fixture f("grow_slack:0.5");
+  const Block a = f.alloc(20 * MiB);
+  const Block b = f.alloc(20 * MiB);
+  f.free(a);
+  const Block c = f.alloc(30 * MiB);  // peak live 50 MiB allows 75 MiB: no page moves
+  CHECK(f.policy.counters().pages_moved == 0);
+  CHECK(f.policy.reserved_bytes() == 70 * MiB);
+  f.free(b);
+  f.free(c);
+}
+
+TEST_CASE("defrag: a repeating training loop maps nothing in steady state", "[defrag]") {
+  Workload w;
+  std::mt19937_64 rng(7);
+  std::vector<std::size_t> shapes;
+  for (int i = 0; i < 60; ++i) {
+    shapes.push_back(512 + rng() % (48 * MiB));
+  }
+  std::vector<void*> params;
+  for (int i = 0; i < 20; ++i) {
+    params.push_back(w.alloc(shapes[i] / 4 + 4096));
+  }
+  std::uint64_t maps_after_warmup = 0;
+  for (int step = 0; step < 12; ++step) {
+    std::vector<void*> acts;
+    for (std::size_t s : shapes) {
+      acts.push_back(w.alloc(s));
+      if (acts.size() % 7 == 0) {
+        w.free(w.alloc(s * 2));  // a temporary
+      }
+    }
+    while (!acts.empty()) {  // backward: gradients appear as activations die
+      void* g = w.alloc(shapes[acts.size() % shapes.size()] / 3 + 512);
+      w.free(acts.back());
+      acts.pop_back();
+      w.free(g);
+    }
+    if (step == 2) {
+      maps_after_warmup = w.maps();
+    }
+  }
+  CHECK(w.maps() == maps_after_warmup);
+  CHECK(w.ratio().value <= 1.02);
+  for (void* p : params) {
+    w.free(p);
+  }
+}
+
+// ============================================================================ streams
+
+TEST_CASE("defrag: pages a busy stream may still use are never unmapped or handed out",
+          "[defrag][streams]") {
+  OracleFixture f;
+  const StreamId s1 = 1;
+  const StreamId s2 = 2;
+  Block a = f.alloc(40 * MiB, s1);
+  f.use_and_free(a, s1);  // a kernel on s1 still reads the hole
+
+  // s2 must not get a's memory (its address range or its pages) while s1 is busy.
+  Block b = f.alloc(40 * MiB, s2);
+  REQUIRE(b);
+  CHECK_FALSE(overlap(addr_of(a), a.size, addr_of(b), b.size));
+  CHECK(f.policy.counters().pages_moved == 0);
+  CHECK(f.backend.waits() == 0);  // never blocks on another stream's work
+  CHECK(f.policy.reserved_bytes() == 80 * MiB);
+
+  // Once s1 finished, its hole serves s2 without new memory.
+  f.backend.complete(s1);
+  Block c = f.alloc(40 * MiB, s2);
+  CHECK(addr_of(c) == addr_of(a));
+  CHECK(f.policy.reserved_bytes() == 80 * MiB);
+  f.use_and_free(b, s2);
+  f.use_and_free(c, s2);
+}
+
+TEST_CASE("defrag: a stream reuses its own holes at once and waits only for itself",
+          "[defrag][streams]") {
+  OracleFixture f;
+  const StreamId s = 3;
+  Block a = f.alloc(30 * MiB, s);
+  f.use_and_free(a, s);
+  Block b = f.alloc(30 * MiB, s);  // same stream: stream order makes reuse safe at once
+  CHECK(addr_of(b) == addr_of(a));
+  CHECK(f.backend.waits() == 0);
+  f.use_and_free(b, s);
+  // A bigger block needs b's pages moved: that waits for s (once), never for other streams.
+  Block other = f.alloc(10 * MiB, 4);
+  f.backend.use(4, addr_of(other), other.size);  // stream 4 stays busy throughout
+  Block c = f.alloc(36 * MiB, s);
+  REQUIRE(c);
+  CHECK(f.policy.counters().pages_moved >= 14);
+  CHECK(f.backend.waits() == 1);
+  CHECK(f.policy.counters().stream_waits == 1);
+  f.use_and_free(c, s);
+  f.use_and_free(other, 4);
+}
+
+TEST_CASE("defrag: a hole next to unmapped space grows in place", "[defrag][streams]") {
+  OracleFixture f;
+  Block a = f.alloc(30 * MiB, 3);
+  f.use_and_free(a, 3);
+  Block c = f.alloc(36 * MiB, 3);  // the hole plus three new pages after it
+  CHECK(addr_of(c) == addr_of(a));
+  CHECK(f.policy.reserved_bytes() == 36 * MiB);
+  CHECK(f.backend.waits() == 0);
+  f.use_and_free(c, 3);
+}
+
+TEST_CASE("defrag: wait_for_streams:False grows instead of waiting", "[defrag][streams]") {
+  OracleFixture f("grow_slack:0,wait_for_streams:False");
+  Block a = f.alloc(30 * MiB, 3);
+  Block d = f.alloc(2 * MiB, 3);  // keeps a's hole from growing in place
+  f.use_and_free(a, 3);
+  Block c = f.alloc(36 * MiB, 3);
+  CHECK(f.backend.waits() == 0);
+  CHECK(f.policy.counters().pages_moved == 0);
+  CHECK(f.policy.reserved_bytes() == 68 * MiB);
+  f.use_and_free(c, 3);
+  f.use_and_free(d, 3);
+}
+
+TEST_CASE("defrag: release_cached waits for every stream and gives all free pages back",
+          "[defrag][streams]") {
+  OracleFixture f("");
+  std::vector<Block> keep;
+  for (StreamId s = 1; s <= 4; ++s) {
+    keep.push_back(f.alloc(3 * MiB, s));
+    f.use_and_free(f.alloc(25 * MiB, s), s);
+  }
+  CHECK(f.policy.reserved_bytes() > 100 * MiB);
+  const std::size_t released = f.policy.release_cached();
+  f.check();
+  CHECK(released > 90 * MiB);
+  CHECK(f.policy.reserved_bytes() <= round_up(4 * 3 * MiB, 2 * MiB) + 4 * 2 * MiB);
+  for (std::size_t i = 0; i < keep.size(); ++i) {
+    f.use_and_free(keep[i], i + 1);
+  }
+  CHECK(f.policy.release_cached() > 0);
+  CHECK(f.policy.reserved_bytes() == 0);
+  CHECK(f.backend.inner().live_physical() == 0);
+  CHECK(f.backend.inner().mapped_bytes_now() == 0);
+  f.check();
+}
+
+// ============================================================================ failures
+
+TEST_CASE("defrag: failures while mapping, unmapping or recording leave a consistent state",
+          "[defrag][faults]") {
+  SECTION("map fails") {
+    Fixture f;
+    f.sim.fail_next(SimCall::map, SimFault::device_error);
+    CHECK_THROWS_AS(f.policy.allocate(9 * MiB, 0), DeviceError);
+    f.check();
+    const Block b = f.alloc(9 * MiB);
+    CHECK(b);
+    f.free(b);
+  }
+  SECTION("a later map fails: the pages already mapped stay as a hole") {
+    Fixture f;
+    f.sim.fail_call(7, SimFault::device_error);  // five creates, one map, then the second map
+    CHECK_THROWS_AS(f.policy.allocate(9 * MiB, 0), DeviceError);
+    f.check();
+    const Block b = f.alloc(9 * MiB);
+    f.free(b);
+  }
+  SECTION("create fails with a device error") {
+    Fixture f;
+    f.sim.fail_call(3, SimFault::device_error);
+    CHECK_THROWS_AS(f.policy.allocate(9 * MiB, 0), DeviceError);
+    f.check();
+    CHECK(f.sim.live_physical() == 0);
+  }
+  SECTION("physical memory runs out") {
+    Fixture f("", 64 * MiB);
+    const Block a = f.alloc(40 * MiB);
+    const Block b = f.policy.allocate(40 * MiB, 0);  // 80 MiB > 64 MiB
+    CHECK_FALSE(b);
+    f.check();
+    f.free(a);
+    const Block c = f.alloc(60 * MiB);  // a's hole and new pages after it
+    CHECK(c);
+    f.free(c);
+  }
+  SECTION("unmap fails while pages move") {
+    Fixture f("grow_slack:0");
+    std::vector<Block> blocks;
+    for (int i = 0; i < 6; ++i) {
+      blocks.push_back(f.alloc(10 * MiB));
+    }
+    f.free(blocks[0]);
+    f.free(blocks[2]);
+    f.free(blocks[4]);
+    f.sim.fail_next(SimCall::unmap, SimFault::device_error);
+    CHECK_THROWS_AS(f.policy.allocate(24 * MiB, 0), DeviceError);
+    f.check();
+    const Block b = f.alloc(24 * MiB);
+    CHECK(b);
+    f.free(b);
+  }
+  SECTION("an event cannot be recorded") {
+    OracleFixture f;
+    Block a = f.alloc(10 * MiB, 1);
+    f.use_and_free(a, 1);
+    f.backend.fail_next_event_call();
+    CHECK_THROWS_AS(f.policy.allocate(30 * MiB, 2), DeviceError);
+    f.check();
+    Block b = f.alloc(30 * MiB, 2);
+    CHECK(b);
+    f.use_and_free(b, 2);
+  }
+}
+
+TEST_CASE("defrag: through the front end, out of memory moves cached pages before failing",
+          "[defrag][oom]") {
+  Config config;
+  CachingAllocator<DefragPolicy> a(
+      std::make_unique<SimBackend>(SimOptions{0, 256 * MiB, 2 * MiB, false}), config);
+  std::vector<void*> ps;
+  for (int i = 0; i < 12; ++i) {
+    ps.push_back(a.allocate(20 * MiB, i % 2));
+  }
+  for (void* p : ps) {
+    a.deallocate(p);
+  }
+  void* big = a.allocate(230 * MiB, 0);  // needs the pages of both streams' holes
+  CHECK(big != nullptr);
+  CHECK(a.stats().num_ooms == 0);
+  a.check_invariants();
+  CHECK_THROWS_AS((void)a.allocate(64 * MiB, 1), OutOfMemory);
+  a.check_invariants();
+  a.deallocate(big);
+  a.empty_cache();
+  CHECK(a.stats().reserved_bytes.current == 0);
+}
+
+// ============================================================================ address space
+
+TEST_CASE("defrag: another address range is reserved when one is full", "[defrag]") {
+  Fixture f("va_reserve_gb:0.0625");  // 64 MiB ranges
+  std::vector<Block> blocks;
+  for (int i = 0; i < 8; ++i) {
+    blocks.push_back(f.alloc(20 * MiB));
+  }
+  const Block huge = f.alloc(100 * MiB);  // larger than a range: a range of its own
+  CHECK(f.policy.counters().address_ranges >= 4);
+  f.free(huge);
+  for (const Block& b : blocks) {
+    f.free(b);
+  }
+  f.policy.release_cached();
+  f.check();
+  CHECK(f.policy.reserved_bytes() == 0);
+}
+
+TEST_CASE("defrag: segments are the mapped runs with their blocks", "[defrag]") {
+  Fixture f("grow_slack:0");
+  const Block a = f.alloc(3 * MiB);
+  const Block b = f.alloc(5 * MiB);
+  std::vector<SegmentView> segs;
+  f.policy.visit_segments([&](const SegmentView& s) { segs.push_back(s); });
+  REQUIRE(segs.size() == 1);
+  CHECK(segs[0].address == addr_of(a));
+  CHECK(segs[0].size == 8 * MiB);
+  REQUIRE(segs[0].blocks.size() == 2);
+  CHECK(segs[0].blocks[0].allocated);
+  CHECK(segs[0].blocks[1].size == b.size);
+  f.free(a);
+  f.free(b);
+  f.policy.release_cached();
+  segs.clear();
+  f.policy.visit_segments([&](const SegmentView& s) { segs.push_back(s); });
+  CHECK(segs.empty());
+}
+
+TEST_CASE("defrag: destruction gives every page and address range back", "[defrag]") {
+  SimBackend sim(SimOptions{0, kGiB, 2 * MiB, false});
+  {
+    DefragPolicy policy(sim, DefragSettings{});
+    (void)policy.allocate(10 * MiB, 0);
+    (void)policy.allocate(100, 1);
+    CHECK(sim.live_physical() > 0);
+  }
+  CHECK(sim.live_physical() == 0);
+  CHECK(sim.mapped_bytes_now() == 0);
+  CHECK(sim.held_bytes() == 0);
+  CHECK(sim.live_events() == 0);
+}
+
+// ============================================================================ regressions
+
+TEST_CASE("defrag regression: the part of a hole left of moved pages keeps its owner",
+          "[defrag][regression]") {
+  // take_pages() once gave the right remainder of a hole the owner and stamp of the unmapped
+  // part (stream class 0, epoch 0), which put it next to a hole of class 0 unmerged.
+  OracleFixture f;
+  f.use_and_free(f.alloc(1000, 9), 9);  // stream 9 becomes class 0 (small range)
+  Block x = f.alloc(5 * MiB, 7);        // stream 7 is class 1: x at the start of the range
+  Block y = f.alloc(1536 * kKiB, 9);    // right after x, sharing x's last page
+  REQUIRE(addr_of(y) == addr_of(x) + x.size);
+  f.use_and_free(x, 7);
+  f.use_and_free(y, 9);
+  const std::uint64_t moved = f.policy.counters().pages_moved;
+  Block big = f.alloc(12 * MiB, 7);  // moves x's whole pages after waiting for stream 7
+  CHECK(f.policy.counters().pages_moved - moved == 2);
+  f.use_and_free(big, 7);
+}
+
+TEST_CASE("defrag regression: holes kept apart by two busy streams merge once both finished",
+          "[defrag][regression]") {
+  // process_deferred() once dropped the pairs that were not mergeable yet, so they never merged.
+  OracleFixture f("grow_slack:1");  // all growth from new pages: no hole moves
+  Block x = f.alloc(5 * MiB, 7);
+  Block y = f.alloc(3 * MiB, 9);
+  REQUIRE(addr_of(y) == addr_of(x) + x.size);
+  Block z = f.alloc(4 * MiB, 11);
+  f.use_and_free(x, 7);
+  f.use_and_free(y, 9);  // x and y: pending on different streams, kept apart
+  std::vector<Block> g;
+  g.push_back(f.alloc(64 * MiB, 11));  // a miss closes the epoch of x's and y's frees
+  f.use_and_free(z, 11);
+  g.push_back(f.alloc(64 * MiB, 11));  // a miss closes the epoch of z's free
+  f.backend.complete(11);
+  g.push_back(f.alloc(64 * MiB, 11));  // an epoch completes on stream 11; x, y still pending
+  f.backend.complete(7);
+  f.backend.complete(9);
+  g.push_back(f.alloc(64 * MiB, 11));  // x and y are safe now: they merge
+  std::size_t spans = 0;
+  f.policy.visit_segments([&](const SegmentView& s) {
+    for (const BlockView& b : s.blocks) {
+      spans += !b.allocated && b.address <= addr_of(x) && addr_of(y) + y.size <= b.address + b.size;
+    }
+  });
+  CHECK(spans == 1);
+  for (const Block& b : g) {
+    f.use_and_free(b, 11);
+  }
+}
+
+// ============================================================================ adversarial patterns
+
+TEST_CASE("defrag: adversarial patterns stay within 2% of the live peak", "[defrag][patterns]") {
+  std::mt19937_64 rng(11);
+  SECTION("alternating large and small, the large die, then larger requests") {
+    Workload w;
+    std::vector<void*> keep;
+    for (int round = 0; round < 4; ++round) {
+      std::vector<void*> big;
+      for (int i = 0; i < 150; ++i) {
+        big.push_back(w.alloc(MiB + rng() % (12 * MiB)));
+        keep.push_back(w.alloc(512 + rng() % 32768));
+      }
+      for (void* p : big) {
+        w.free(p);
+      }
+      std::vector<void*> bigger;
+      for (int i = 0; i < 30; ++i) {
+        bigger.push_back(w.alloc(16 * MiB + rng() % (48 * MiB)));
+      }
+      for (void* p : bigger) {
+        w.free(p);
+      }
+    }
+    CHECK(w.ratio().value <= 1.02);
+    for (void* p : keep) {
+      w.free(p);
+    }
+  }
+  SECTION("sawtooth: the live set grows to a peak, then everything dies") {
+    Workload w;
+    for (int round = 0; round < 8; ++round) {
+      std::vector<void*> live;
+      const int n = 100 + static_cast<int>(rng() % 100);
+      for (int i = 0; i < n; ++i) {
+        live.push_back(w.alloc(4096 + rng() % (96 * MiB)));
+      }
+      std::shuffle(live.begin(), live.end(), rng);
+      for (void* p : live) {
+        w.free(p);
+      }
+    }
+    CHECK(w.ratio().value <= 1.02);
+  }
+  SECTION("growing KV caches: each grows by reallocation, sequences come and go") {
+    Workload w;
+    struct Seq {
+      void* cache;
+      std::size_t size;
+      int left;
+    };
+    std::vector<Seq> seqs;
+    std::vector<void*> weights;
+    for (int i = 0; i < 10; ++i) {
+      weights.push_back(w.alloc(64 * MiB));
+    }
+    for (int step = 0; step < 600; ++step) {
+      if (seqs.size() < 24 && rng() % 3 == 0) {
+        const std::size_t size = (1 + rng() % 32) * 256 * kKiB;
+        seqs.push_back({w.alloc(size), size, 20 + static_cast<int>(rng() % 200)});
+      }
+      void* act = w.alloc(MiB * (1 + seqs.size() / 2) + 512);
+      for (Seq& s : seqs) {
+        if (--s.left % 8 == 0) {
+          const std::size_t grown = s.size + 4 * MiB;
+          void* bigger = w.alloc(grown);
+          w.free(s.cache);
+          s.cache = bigger;
+          s.size = grown;
+        }
+      }
+      w.free(act);
+      for (std::size_t i = 0; i < seqs.size();) {
+        if (seqs[i].left <= 0) {
+          w.free(seqs[i].cache);
+          seqs[i] = seqs.back();
+          seqs.pop_back();
+        } else {
+          ++i;
+        }
+      }
+    }
+    CHECK(w.ratio().value <= 1.02);
+    for (Seq& s : seqs) {
+      w.free(s.cache);
+    }
+    for (void* p : weights) {
+      w.free(p);
+    }
+  }
+  SECTION("many streams: random sizes on eight streams") {
+    Workload w;
+    std::vector<void*> live;
+    for (int i = 0; i < 6000; ++i) {
+      if (!live.empty() && (live.size() > 200 || rng() % 100 < 49)) {
+        const std::size_t k = rng() % live.size();
+        w.free(live[k]);
+        live[k] = live.back();
+        live.pop_back();
+      } else {
+        const double exponent = 9.0 + static_cast<double>(rng() % 1700) / 100.0;
+        live.push_back(w.alloc(static_cast<std::size_t>(std::exp2(exponent)), rng() % 8));
+      }
+    }
+    // Random frees of random sizes leave many holes whose edge pages cannot move, and a hole
+    // another stream freed moments ago can neither merge nor move: the policy never blocks on
+    // another stream's work (1.075 measured here; 1.029 with the same requests on one stream).
+    CHECK(w.ratio().value <= 1.10);
+    for (void* p : live) {
+      w.free(p);
+    }
+  }
+}
+
+// ============================================================================ randomized
+
+namespace {
+
+void run_oracle_sequence(std::uint64_t seed, std::uint64_t steps, bool faults) {
+  OracleFixture f(seed % 2 == 0 ? "grow_slack:0" : "grow_slack:0.01,small_size:64KB",
+                  768 * MiB);
+  std::mt19937_64 rng(seed);
+  struct Live {
+    Block block;
+    StreamId stream;
+  };
+  std::vector<Live> live;
+  std::map<std::uintptr_t, std::size_t> tracker;
+  constexpr StreamId kStreams = 3;
+  const auto random_size = [&]() -> std::size_t {
+    switch (rng() % 6) {
+      case 0: case 1: return 1 + rng() % 8192;
+      case 2: return 1 + rng() % MiB;
+      case 3: case 4: return MiB + rng() % (16 * MiB);
+      default: return 16 * MiB + rng() % (96 * MiB);
+    }
+  };
+  for (std::uint64_t step = 0; step < steps; ++step) {
+    INFO("seed " << seed << " step " << step);
+    const unsigned op = static_cast<unsigned>(rng() % 100);
+    if (faults && rng() % 50 == 0) {
+      const SimCall kinds[] = {SimCall::create_physical, SimCall::map, SimCall::unmap};
+      const SimCall kind = kinds[rng() % 3];
+      const SimFault fault = rng() % 2 == 0 ? SimFault::device_error : SimFault::out_of_memory;
+      f.backend.inner().fail_next(kind, fault);
+      if (rng() % 4 == 0) {
+        f.backend.fail_next_event_call();
+      }
+    }
+    if (op < 50 || live.empty()) {
+      const StreamId s = rng() % kStreams;
+      Block b;
+      try {
+        // Not `b = f.alloc(...)`: GCC 12 -O2 then builds the result in b and drops b's
+        // initialisation, so b keeps a stale block when the call throws.
+        const Block got = f.alloc(random_size(), s);
+        b = got;
+      } catch (const DeviceError&) {
+        CHECK_FALSE(b);
+        REQUIRE(faults);
+        f.check();
+      }
+      f.backend.clear_faults();
+      if (b) {
+        auto next = tracker.lower_bound(addr_of(b));
+        REQUIRE((next == tracker.end() || next->first >= addr_of(b) + b.size));
+        REQUIRE((next == tracker.begin() ||
+                 std::prev(next)->first + std::prev(next)->second <= addr_of(b)));
+        tracker.emplace(addr_of(b), b.size);
+        live.push_back({b, s});
+      }
+    } else if (op < 88) {
+      const std::size_t k = rng() % live.size();
+      const Live l = live[k];
+      live[k] = live.back();
+      live.pop_back();
+      tracker.erase(addr_of(l.block));
+      f.use_and_free(l.block, l.stream);
+    } else if (op < 97) {
+      f.backend.complete(rng() % kStreams);
+      f.backend.prune();
+    } else if (op < 99) {
+      try {
+        f.policy.release_cached();
+      } catch (const DeviceError&) {
+        REQUIRE(faults);
+      }
+      f.backend.clear_faults();
+      f.check();
+    } else {
+      // A kernel on a live block's stream (makes its pages busy beyond its free).
+      const Live& l = live[rng() % live.size()];
+      f.backend.use(l.stream, addr_of(l.block), l.block.size);
+    }
+    REQUIRE(f.backend.violations().empty());
+  }
+  for (const Live& l : live) {
+    f.use_and_free(l.block, l.stream);
+  }
+  for (StreamId s = 0; s < kStreams; ++s) {
+    f.backend.complete(s);
+  }
+  f.policy.release_cached();
+  f.check();
+  CHECK(f.policy.reserved_bytes() == 0);
+  CHECK(f.backend.inner().live_physical() == 0);
+}
+
+}  // namespace
+
+TEST_CASE("defrag: randomized sequences keep every invariant and the stream oracle happy",
+          "[defrag][random]") {
+  const std::uint64_t steps = CACHEALLOC_CHECK_LEVEL >= 3 ? 20000 : 4000;
+  for (std::uint64_t seed = 1; seed <= 4; ++seed) {
+    run_oracle_sequence(seed, steps, /*faults=*/false);
+  }
+}
+
+TEST_CASE("defrag: randomized sequences with injected device failures", "[defrag][random][faults]") {
+  const std::uint64_t steps = CACHEALLOC_CHECK_LEVEL >= 3 ? 20000 : 4000;
+  for (std::uint64_t seed = 101; seed <= 104; ++seed) {
+    run_oracle_sequence(seed, steps, /*faults=*/true);
+  }
+}

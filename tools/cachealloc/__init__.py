@@ -1,0 +1,293 @@
+"""cachealloc: a drop-in replacement for PyTorch's CUDA caching allocator.
+
+Two ways to turn it on:
+
+* No change to your script: ``pip install --no-build-isolation ./tools`` installs a startup hook
+  (``cachealloc_autoload.pth``). When the environment variable ``CACHEALLOC_CONF`` is set (even
+  to an empty string), the hook calls :func:`enable` right after ``import torch``, before CUDA is
+  initialised::
+
+      CACHEALLOC_CONF=policy:size_class python train.py
+
+* Explicitly, before the first CUDA tensor::
+
+      import torch, cachealloc
+      cachealloc.enable("policy:size_class,record:/tmp/trace.pickle")
+
+Under a pluggable allocator ``torch.cuda.memory_stats()`` and friends raise, so use
+:func:`memory_stats`, :func:`reset_peak_memory_stats`, :func:`empty_cache` and
+:func:`dump_snapshot` from this package (they fall back to PyTorch's own functions when
+cachealloc is not enabled, so the same code works both ways).
+
+Importing this package imports neither torch nor the shared library; both are loaded on first use.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Optional, Union
+
+from ._lib import LibraryNotFound, find_library  # noqa: F401  (re-exported)
+
+__all__ = [
+    "enable",
+    "is_enabled",
+    "memory_stats",
+    "allocator_ns",
+    "empty_cache",
+    "reset_peak_memory_stats",
+    "reset_accumulated_memory_stats",
+    "dump_snapshot",
+    "policies",
+    "policy_name",
+    "validate_config",
+    "check_invariants",
+    "library_path",
+    "LibraryNotFound",
+]
+
+__version__ = "0.1.0"
+
+_enable_lock = threading.Lock()
+_enabled_conf: Optional[str] = None  # the CACHEALLOC_CONF in force once enabled
+_pluggable: Any = None  # keeps the CUDAPluggableAllocator object alive
+
+DeviceLike = Union[None, int, str, Any]
+
+
+def library_path() -> str:
+    """The shared library this process uses (or would use). Raises LibraryNotFound."""
+    from . import _lib
+
+    return _lib.loaded_path() or _lib.find_library()
+
+
+def is_enabled() -> bool:
+    """True once :func:`enable` made cachealloc PyTorch's CUDA allocator in this process."""
+    return _enabled_conf is not None
+
+
+def validate_config(conf: Optional[str] = None) -> None:
+    """Checks a CACHEALLOC_CONF string (default: the environment's) without touching a GPU.
+
+    Raises ValueError naming the bad key or value and the valid keys.
+    """
+    from . import _lib
+
+    lib = _lib.load()
+    arg = None if conf is None else conf.encode("utf-8")
+    if lib.cachealloc_validate_config(arg) != 0:
+        raise ValueError(_lib.last_error())
+
+
+def _cuda_initialized(torch: Any) -> bool:
+    try:
+        return bool(torch.cuda.is_initialized())
+    except Exception:  # pragma: no cover - very old torch
+        return False
+
+
+def enable(conf: Optional[str] = None) -> None:
+    """Makes cachealloc PyTorch's CUDA allocator for this process.
+
+    ``conf`` (PYTORCH_CUDA_ALLOC_CONF syntax, e.g. ``"policy:size_class,record:/tmp/t.pickle"``)
+    is stored in ``CACHEALLOC_CONF``; ``None`` keeps the environment's value (unset: the default
+    policy). Must run before CUDA is initialised: PyTorch cannot swap an allocator in use.
+    Calling it again with the same (or no) configuration does nothing.
+
+    Raises ValueError for a bad configuration, RuntimeError when CUDA is already initialised or
+    this PyTorch lacks CUDA, LibraryNotFound when the plugin library is missing.
+    """
+    global _enabled_conf, _pluggable
+    with _enable_lock:
+        if _enabled_conf is not None:
+            if conf is None or conf == _enabled_conf:
+                return
+            raise RuntimeError(
+                f"cachealloc is already enabled with CACHEALLOC_CONF={_enabled_conf!r}; the "
+                f"allocator of a running process cannot be reconfigured (asked for {conf!r}). "
+                "Start a new process with the new CACHEALLOC_CONF."
+            )
+        import torch
+
+        if not hasattr(torch._C, "_cuda_customAllocator"):
+            raise RuntimeError(
+                f"cachealloc needs a CUDA build of PyTorch; this one ({torch.__version__}) has no "
+                "CUDA support (torch.version.cuda is None)."
+            )
+        if _cuda_initialized(torch):
+            raise RuntimeError(
+                "cachealloc.enable() was called after CUDA was initialised in this process, and "
+                "PyTorch cannot swap an allocator that is already in use. Call cachealloc.enable() "
+                "right after `import torch`, before anything touches the GPU (creating a CUDA "
+                "tensor, torch.cuda.synchronize(), set_per_process_memory_fraction, ...), or set "
+                "CACHEALLOC_CONF in the environment and let the startup hook installed by "
+                "`pip install ./tools` enable it for you."
+            )
+        from . import _lib
+
+        if conf is not None:
+            os.environ["CACHEALLOC_CONF"] = conf
+        lib = _lib.load()
+        if lib.cachealloc_is_torch_plugin() != 1:
+            raise RuntimeError(
+                f"{_lib.loaded_path()} is the torch-free C API library, which returns NULL on "
+                "out-of-memory and so cannot serve as PyTorch's allocator; point "
+                "CACHEALLOC_LIBRARY at libcachealloc_plugin.so (built when CMake finds LibTorch)."
+            )
+        if lib.cachealloc_validate_config(None) != 0:
+            raise ValueError(_lib.last_error())
+
+        path = _lib.loaded_path()
+        pluggable = torch.cuda.memory.CUDAPluggableAllocator(path, "cachealloc_alloc", "cachealloc_free")
+        hooks = pluggable.allocator()
+        hooks.set_init_fn(_lib.function_address("cachealloc_init"))
+        hooks.set_reset_fn(_lib.function_address("cachealloc_reset"))
+        hooks.set_memory_fraction_fn(_lib.function_address("cachealloc_set_memory_fraction"))
+        hooks.set_record_stream_fn(_lib.function_address("cachealloc_record_stream"))
+        hooks.set_base_alloc_fn(_lib.function_address("cachealloc_base_alloc"))
+        try:
+            torch.cuda.memory.change_current_allocator(pluggable)
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"cachealloc: PyTorch refused the allocator swap ({e}). CUDA's allocator was "
+                "already used in this process; enable cachealloc before the first CUDA tensor."
+            ) from e
+        _pluggable = pluggable
+        _enabled_conf = os.environ.get("CACHEALLOC_CONF", "")
+
+
+def _device_index(device: DeviceLike) -> int:
+    if device is None:
+        try:
+            import sys
+
+            torch = sys.modules.get("torch")
+            if torch is not None and _cuda_initialized(torch):
+                return int(torch.cuda.current_device())
+        except Exception:
+            pass
+        return 0
+    if isinstance(device, int):
+        return device
+    index = getattr(device, "index", None)  # torch.device
+    if index is not None:
+        return int(index)
+    if isinstance(device, str) and ":" in device:
+        return int(device.rsplit(":", 1)[1])
+    return 0
+
+
+def memory_stats(device: DeviceLike = None) -> dict[str, int]:
+    """Statistics with torch.cuda.memory_stats() key names.
+
+    Under cachealloc: ``allocated_bytes.all.{current,peak,allocated,freed}``,
+    ``reserved_bytes.all.*``, ``active_bytes.all.*``, ``requested_bytes.all.*``,
+    ``allocation.all.*``, ``num_alloc_retries``, ``num_ooms``, ``num_device_alloc``,
+    ``num_device_free``, ``num_sync_all_streams``, ``allocator_ns`` (time inside the allocator's
+    alloc and free, with ``alloc_ns`` and ``free_ns``), ... Without cachealloc: PyTorch's own.
+    """
+    if not is_enabled():
+        import torch
+
+        return dict(torch.cuda.memory_stats(device))
+    from . import _lib
+
+    lib = _lib.load()
+    return {str(k): int(v) for k, v in _lib.read_json(lib.cachealloc_memory_stats_json, _device_index(device)).items()}
+
+
+def allocator_ns(device: DeviceLike = None) -> int:
+    """Nanoseconds spent inside cachealloc's alloc and free (0 when timing is off)."""
+    from . import _lib
+
+    return int(_lib.load().cachealloc_allocator_ns(_device_index(device)))
+
+
+def _check(rc: int) -> None:
+    if rc != 0:
+        from . import _lib
+
+        raise RuntimeError(_lib.last_error())
+
+
+def empty_cache() -> None:
+    """Returns cached, wholly free memory to the device (torch.cuda.empty_cache())."""
+    if not is_enabled():
+        import torch
+
+        torch.cuda.empty_cache()
+        return
+    from . import _lib
+
+    _check(_lib.load().cachealloc_empty_cache(-1))
+
+
+def reset_peak_memory_stats(device: DeviceLike = None) -> None:
+    """Peak statistics := current values (``device=None``: every device under cachealloc)."""
+    if not is_enabled():
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    from . import _lib
+
+    _check(_lib.load().cachealloc_reset_peak(-1 if device is None else _device_index(device)))
+
+
+def reset_accumulated_memory_stats(device: DeviceLike = None) -> None:
+    """Cumulative statistics (and allocator_ns) := 0."""
+    if not is_enabled():
+        import torch
+
+        torch.cuda.reset_accumulated_memory_stats(device)
+        return
+    from . import _lib
+
+    _check(_lib.load().cachealloc_reset_accumulated(-1 if device is None else _device_index(device)))
+
+
+def dump_snapshot(path: Union[str, os.PathLike]) -> None:
+    """Writes the allocator's segments and recorded trace in PyTorch's snapshot format.
+
+    The trace holds events only when CACHEALLOC_CONF has ``record:PATH`` (then it is also written
+    to PATH at exit). Open the file with ``python -m torch.cuda._memory_viz trace_plot FILE -o
+    out.html`` or replay it with ``cachealloc-replay``. Without cachealloc this calls
+    torch.cuda.memory._dump_snapshot(path).
+    """
+    if not is_enabled():
+        import torch
+
+        torch.cuda.memory._dump_snapshot(str(path))
+        return
+    from . import _lib
+
+    _check(_lib.load().cachealloc_dump_snapshot(os.fsencode(os.fspath(path))))
+
+
+def policies() -> list[dict[str, Any]]:
+    """The registered policies: name, summary, backend, replay_only, config_keys."""
+    from . import _lib
+
+    lib = _lib.load()
+    return list(_lib.read_json(lib.cachealloc_policies_json))
+
+
+def policy_name() -> str:
+    """The policy the current CACHEALLOC_CONF selects. Raises ValueError when it is invalid."""
+    from . import _lib
+
+    lib = _lib.load()
+    lib.cachealloc_clear_error()
+    name = lib.cachealloc_policy_name().decode("utf-8")
+    if not name:
+        raise ValueError(_lib.last_error())
+    return name
+
+
+def check_invariants(device: DeviceLike = None) -> None:
+    """Runs the allocator's internal consistency checks; raises RuntimeError on a violation."""
+    from . import _lib
+
+    _check(_lib.load().cachealloc_check_invariants(-1 if device is None else _device_index(device)))

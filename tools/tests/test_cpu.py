@@ -1,0 +1,393 @@
+"""test_cpu.py: the Python package, the startup hook and the C API, on a machine without a GPU.
+
+Everything here runs anywhere: the library's allocation path is exercised through the torch-free
+C API (libcachealloc_capi.so) on the simulated backend (CACHEALLOC_PLUGIN_BACKEND=sim). Tests
+that need the built libraries skip, saying so, when the build is not there.
+
+    python -m pytest -q tools/tests          # or, without pytest: python tools/tests/test_cpu.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _support import (  # noqa: E402
+    REPO,
+    TOOLS,
+    TRAIN_SCRIPT,
+    autoload_installed,
+    capi_library,
+    cuda_device_count,
+    plugin_library,
+    run_python,
+    skip,
+    torch_importable,
+)
+
+
+def _need_plugin() -> str:
+    lib = plugin_library()
+    if lib is None:
+        skip("libcachealloc_plugin.so is not built (cmake with LibTorch, see README.md)")
+    return lib
+
+
+def _need_capi() -> str:
+    lib = capi_library()
+    if lib is None:
+        skip("libcachealloc_capi.so is not built (cmake with CUDA, see README.md)")
+    return lib
+
+
+def _need_torch() -> None:
+    if not torch_importable():
+        skip("torch is not installed")
+
+
+def _need_cpu_only() -> None:
+    _need_torch()
+    if cuda_device_count() > 0:
+        skip("this test checks behaviour without a GPU; a GPU is visible here")
+
+
+# ---- the package ----------------------------------------------------------------------------
+
+def test_package_imports_without_torch_or_library():
+    r = run_python(
+        "import sys, cachealloc\n"
+        "assert 'torch' not in sys.modules, 'importing cachealloc must not import torch'\n"
+        "print(cachealloc.__version__, cachealloc.is_enabled())\n",
+        CACHEALLOC_LIBRARY="/nonexistent/libcachealloc_plugin.so",
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["0.1.0", "False"]
+
+
+def test_missing_library_error_says_where_it_looked():
+    r = run_python(
+        "import cachealloc\n"
+        "try:\n"
+        "    cachealloc.validate_config('policy:size_class')\n"
+        "except cachealloc.LibraryNotFound as e:\n"
+        "    print('NOTFOUND', e)\n",
+        CACHEALLOC_LIBRARY="/nonexistent/libcachealloc_plugin.so",
+    )
+    assert r.returncode == 0, r.stderr
+    assert "NOTFOUND" in r.stdout and "CACHEALLOC_LIBRARY" in r.stdout
+
+
+def test_validate_config_accepts_every_policy():
+    _need_plugin()
+    code = (
+        "import cachealloc\n"
+        "for p in cachealloc.policies():\n"
+        "    cachealloc.validate_config('policy:' + p['name'])\n"
+        "    print(p['name'], p['backend'])\n"
+        "cachealloc.validate_config('')\n"
+        "cachealloc.validate_config('policy:size_class,timing:False,record:/tmp/x_%p.pickle,record_max_entries:1000,log_level:info')\n"
+    )
+    r = run_python(code)
+    assert r.returncode == 0, r.stderr
+    names = [line.split()[0] for line in r.stdout.splitlines()]
+    assert "size_class" in names
+
+
+def test_config_errors_name_the_key_and_the_valid_ones():
+    _need_plugin()
+    cases = {
+        "policy:size_class,bogus_key:1": ["bogus_key", "valid keys", "policy", "record"],
+        "policy:no_such_policy": ["no_such_policy", "size_class"],
+        "timing:maybe": ["timing", "True or False"],
+        "log_level:loud": ["log_level"],
+        "policy:size_class,record_max_entries:-5": ["record_max_entries"],
+        "policy size_class": ["no ':'"],
+    }
+    for conf, words in cases.items():
+        r = run_python(
+            "import cachealloc, sys\n"
+            "try:\n"
+            f"    cachealloc.validate_config({conf!r})\n"
+            "    print('ACCEPTED')\n"
+            "except ValueError as e:\n"
+            "    print('REJECTED', e)\n"
+        )
+        assert r.returncode == 0, r.stderr
+        assert "REJECTED" in r.stdout, f"{conf!r} was accepted"
+        for w in words:
+            assert w in r.stdout, f"{conf!r}: message lacks {w!r}: {r.stdout}"
+
+
+def test_policies_are_described():
+    _need_plugin()
+    r = run_python("import cachealloc, json; print(json.dumps(cachealloc.policies()))")
+    assert r.returncode == 0, r.stderr
+    policies = json.loads(r.stdout)
+    assert {p["name"] for p in policies} >= {"size_class"}
+    for p in policies:
+        assert p["backend"] in ("runtime", "virtual_memory", "stream_ordered")
+        assert isinstance(p["config_keys"], list) and p["summary"]
+
+
+# ---- the startup hook -----------------------------------------------------------------------
+
+def test_hook_is_off_without_conf():
+    r = run_python("import cachealloc._autoload as a; print(a.status)")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().startswith("off")
+
+
+def test_hook_is_harmless_on_cpu():
+    _need_cpu_only()
+    code = (
+        "import cachealloc._autoload as a\n"
+        "print('STATUS', a.status)\n"
+        "import torch\n"
+        "print('STATUS', a.status)\n"
+        "print('SUM', torch.ones(4).sum().item())\n"
+    )
+    r = run_python(code, CACHEALLOC_CONF="policy:size_class")
+    assert r.returncode == 0, r.stderr
+    statuses = [line.split(" ", 1)[1] for line in r.stdout.splitlines() if line.startswith("STATUS")]
+    assert statuses[0].startswith("armed")
+    assert statuses[1].startswith("skipped: no CUDA device"), statuses
+    assert "SUM 4.0" in r.stdout
+    assert "no CUDA device is visible" in r.stderr
+
+
+def test_installed_pth_triggers_on_import_torch():
+    """`pip install ./tools` put cachealloc_autoload.pth in site-packages: `import torch` arms it."""
+    if not autoload_installed():
+        skip("the package is not installed in this interpreter (pip install --no-build-isolation ./tools)")
+    _need_cpu_only()
+    env = {"CACHEALLOC_CONF": "policy:size_class", "PYTHONPATH": ""}
+    r = subprocess.run(
+        [sys.executable, "-c", "import torch, sys; a = sys.modules.get('cachealloc._autoload'); print(a.status if a else 'NOT LOADED')"],
+        capture_output=True, text=True, timeout=300,
+        env={**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, **env}, cwd="/",
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().startswith("skipped: no CUDA device"), r.stdout + r.stderr
+    # And without CACHEALLOC_CONF the hook module is not even imported.
+    r = subprocess.run(
+        [sys.executable, "-c", "import torch, sys; print('cachealloc._autoload' in sys.modules)"],
+        capture_output=True, text=True, timeout=300,
+        env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CACHEALLOC_CONF")}, cwd="/",
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith("False")
+
+
+def test_enable_before_cuda_swaps_the_allocator():
+    """enable() wires every hook into CUDAPluggableAllocator; that needs no GPU."""
+    lib = _need_plugin()
+    _need_cpu_only()
+    code = (
+        "import torch, cachealloc\n"
+        "cachealloc.enable('policy:size_class')\n"
+        "print('ENABLED', cachealloc.is_enabled(), cachealloc.policy_name())\n"
+        "cachealloc.enable()  # same config again: a no-op\n"
+        "try:\n"
+        "    cachealloc.enable('policy:native')\n"
+        "except RuntimeError as e:\n"
+        "    print('REFUSED', e)\n"
+        "try:\n"
+        "    torch.empty(4, device='cuda')\n"
+        "except Exception as e:\n"
+        "    print('NOGPU', type(e).__name__)\n"
+    )
+    r = run_python(code, CACHEALLOC_LIBRARY=lib)
+    assert r.returncode == 0, r.stderr
+    assert "ENABLED True size_class" in r.stdout
+    assert "REFUSED" in r.stdout and "already enabled" in r.stdout
+    assert "NOGPU" in r.stdout
+
+
+def test_enable_after_cuda_init_says_what_to_do():
+    lib = _need_plugin()
+    _need_torch()
+    code = (
+        "import torch, cachealloc\n"
+        "torch.cuda.is_initialized = lambda: True  # pretend a CUDA tensor exists already\n"
+        "try:\n"
+        "    cachealloc.enable('policy:size_class')\n"
+        "except RuntimeError as e:\n"
+        "    print('REFUSED', e)\n"
+    )
+    r = run_python(code, CACHEALLOC_LIBRARY=lib)
+    assert r.returncode == 0, r.stderr
+    assert "REFUSED" in r.stdout and "before" in r.stdout and "CACHEALLOC_CONF" in r.stdout
+
+
+def test_enable_rejects_a_bad_config_before_swapping():
+    lib = _need_plugin()
+    _need_torch()
+    code = (
+        "import torch, cachealloc\n"
+        "try:\n"
+        "    cachealloc.enable('policy:size_class,bogus_key:1')\n"
+        "except ValueError as e:\n"
+        "    print('BAD', e)\n"
+        "print('ENABLED', cachealloc.is_enabled())\n"
+    )
+    r = run_python(code, CACHEALLOC_LIBRARY=lib)
+    assert r.returncode == 0, r.stderr
+    assert "BAD" in r.stdout and "bogus_key" in r.stdout and "ENABLED False" in r.stdout
+
+
+# ---- the C API on the simulated device ------------------------------------------------------
+
+_CAPI_SCRIPT = r"""
+import ctypes, json, sys
+from cachealloc import _lib
+lib = _lib.load()
+assert lib.cachealloc_is_torch_plugin() == 0
+MiB = 1 << 20
+lib.cachealloc_init(1)
+ptrs = [lib.cachealloc_alloc(n, 0, None) for n in (512, 3 * MiB, 100 * MiB, 7)]
+assert all(ptrs), _lib.last_error()
+side = ctypes.c_void_p(0x5151)
+lib.cachealloc_record_stream(ptrs[1], side)
+size = ctypes.c_size_t(0)
+base = lib.cachealloc_base_alloc(ptrs[2], ctypes.byref(size))
+assert base and size.value >= 100 * MiB
+stats = _lib.read_json(lib.cachealloc_memory_stats_json, 0)
+print("PEAK", stats["allocated_bytes.all.peak"], "REQUESTED", stats["requested_bytes.all.current"])
+for p in ptrs:
+    lib.cachealloc_free(p, 0, 0, None)
+big = lib.cachealloc_alloc(4 << 30, 0, None)   # the simulated device has 1 GiB
+print("OOM", big is None, lib.cachealloc_last_error_code(), _lib.last_error()[:60])
+again = lib.cachealloc_alloc(MiB, 0, None)
+assert again, "allocation after an out-of-memory must work"
+lib.cachealloc_free(again, 0, 0, None)
+lib.cachealloc_free(again, 0, 0, None)          # double free: logged, ignored
+print("USAGE", lib.cachealloc_last_error_code())
+assert lib.cachealloc_check_invariants(-1) == 0, _lib.last_error()
+before = _lib.read_json(lib.cachealloc_memory_stats_json, 0)["reserved_bytes.all.current"]
+assert lib.cachealloc_empty_cache(-1) == 0
+after = _lib.read_json(lib.cachealloc_memory_stats_json, 0)["reserved_bytes.all.current"]
+print("RESERVED", before, after)
+stats = _lib.read_json(lib.cachealloc_memory_stats_json, 0)
+print("STATS", json.dumps(stats))
+keep = lib.cachealloc_alloc(5 * MiB, 0, None)    # alive at exit: in the snapshot's segments
+assert lib.cachealloc_dump_snapshot(sys.argv[1].encode()) == 0, _lib.last_error()
+"""
+
+
+def _run_capi(tmp: Path, conf_extra: str = "") -> tuple[subprocess.CompletedProcess, Path]:
+    capi = _need_capi()
+    trace = tmp / "trace.pickle"
+    script = tmp / "capi.py"
+    script.write_text(_CAPI_SCRIPT)
+    env = {
+        "CACHEALLOC_LIBRARY": capi,
+        "CACHEALLOC_PLUGIN_BACKEND": "sim",
+        "CACHEALLOC_PLUGIN_SIM_CAPACITY_MB": "1024",
+        "CACHEALLOC_CONF": f"policy:size_class,record:{trace}{conf_extra}",
+        "CACHEALLOC_AUTOLOAD": "0",
+    }
+    r = subprocess.run([sys.executable, str(script), str(tmp / "on_demand.pickle")], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, **env, "PYTHONPATH": str(TOOLS)})
+    return r, trace
+
+
+def test_capi_allocates_frees_and_reports_on_simulated_device():
+    with tempfile.TemporaryDirectory() as d:
+        r, trace = _run_capi(Path(d))
+        assert r.returncode == 0, r.stdout + r.stderr
+        out = dict(line.split(" ", 1) for line in r.stdout.splitlines())
+        assert int(out["PEAK"].split()[0]) >= 103 * (1 << 20)
+        oom = out["OOM"].split(" ", 2)
+        assert oom[0] == "True" and oom[1] == "1" and "cachealloc" in oom[2]
+        assert out["USAGE"] == "3"
+        before, after = map(int, out["RESERVED"].split())
+        assert after < before
+        stats = json.loads(out["STATS"])
+        for key in ("allocated_bytes.all.current", "allocated_bytes.all.peak", "reserved_bytes.all.peak",
+                    "active_bytes.all.current", "requested_bytes.all.peak", "num_alloc_retries", "num_ooms",
+                    "num_device_alloc", "num_device_free", "allocator_ns", "alloc_ns", "free_ns"):
+            assert key in stats, key
+        assert stats["num_ooms"] == 1 and stats["allocated_bytes.all.current"] == 0
+        assert stats["allocator_ns"] > 0 and stats["num_device_alloc"] > 0
+        assert "usage" in r.stderr or "double free" in r.stderr  # the ignored free was logged
+
+
+def test_recording_is_a_pytorch_snapshot():
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        r, trace = _run_capi(tmp)
+        assert r.returncode == 0, r.stdout + r.stderr
+        for path in (trace, tmp / "on_demand.pickle"):
+            assert path.is_file(), f"{path} was not written"
+            with open(path, "rb") as f:
+                snap = pickle.load(f)
+            assert set(snap) >= {"segments", "device_traces"}
+            actions = [e["action"] for e in snap["device_traces"][0]]
+            for a in ("segment_alloc", "alloc", "free_requested", "free_completed", "segment_free", "oom"):
+                assert a in actions, f"{path.name}: no {a} event"
+            assert snap["segments"], "the block alive at exit must show in segments"
+            allocs = [e for e in snap["device_traces"][0] if e["action"] == "alloc"]
+            assert allocs[0]["size"] == 512 and allocs[0]["time_us"] > 0
+        # PyTorch's own viewer takes it...
+        html = tmp / "out.html"
+        if not torch_importable():
+            return
+        v = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", "trace_plot", str(trace), "-o", str(html)],
+                           capture_output=True, text=True, timeout=300)
+        assert v.returncode == 0, v.stderr
+        assert html.stat().st_size > 0
+        # ...and so does the repository's CSV converter (the replay tool's input path).
+        conv = TOOLS / "trace_to_csv.py"
+        if conv.is_file():
+            c = subprocess.run([sys.executable, str(conv), str(trace)], capture_output=True, text=True, timeout=300)
+            assert c.returncode == 0, c.stderr
+            assert c.stdout.splitlines()[0].startswith("action,addr,size,stream")
+
+
+def test_record_max_entries_keeps_the_newest():
+    with tempfile.TemporaryDirectory() as d:
+        r, trace = _run_capi(Path(d), ",record_max_entries:5")
+        assert r.returncode == 0, r.stdout + r.stderr
+        with open(trace, "rb") as f:
+            snap = pickle.load(f)
+        assert len(snap["device_traces"][0]) == 5
+
+
+# ---- scripts --------------------------------------------------------------------------------
+
+def test_train_example_runs_on_cpu():
+    _need_torch()
+    r = subprocess.run([sys.executable, str(TRAIN_SCRIPT), "--device", "cpu", "--steps", "3", "--hidden", "32",
+                        "--features", "16", "--batch", "8"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "done: 3 steps" in r.stdout
+
+
+def test_e2e_runner_help_and_plan():
+    runner = REPO / "bench" / "e2e" / "run_e2e.py"
+    if not runner.is_file():
+        skip("bench/e2e/run_e2e.py is not in this checkout")
+    h = subprocess.run([sys.executable, str(runner), "--help"], capture_output=True, text=True, timeout=120)
+    assert h.returncode == 0, h.stderr
+    assert "--steps" in h.stdout and "--reps" in h.stdout and "--configs" in h.stdout
+    p = subprocess.run([sys.executable, str(runner), "--dry-run", "--reps", "2", "--workloads", "gpt2",
+                        "--configs", "native,expandable,cachealloc:size_class"], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    runs = [line for line in p.stdout.splitlines() if line.startswith("run ")]
+    assert len(runs) == 6
+    # interleaved: A B C A B C
+    assert [r.split()[3] for r in runs] == ["native", "expandable", "cachealloc:size_class"] * 2
+
+
+if __name__ == "__main__":
+    from _support import run_module
+
+    sys.exit(run_module(globals()))
