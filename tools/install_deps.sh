@@ -21,4 +21,5 @@ if [[ "${CACHEALLOC_SKIP_TORCH:-0}" != 1 ]]; then
     python3 -m pip install -q torch==2.11.0
   fi
 fi
+python3 -c 'import pytest' 2>/dev/null || python3 -m pip install -q pytest
 echo "install_deps: done"

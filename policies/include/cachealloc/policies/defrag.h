@@ -9,32 +9,43 @@
 // reserved_bytes() is the physical memory held, and all of it is mapped between calls.
 //
 // Placement (all searches O(log n) in size-ordered sets):
-//   1. best fit among free *mapped* ranges usable by the stream: no device call at all;
-//   2. otherwise best fit among free *unmapped* ranges (each with its free mapped neighbours),
-//      mapping the pages the block needs: new physical pages while the policy holds less than
-//      (1 + grow_slack) x live bytes, then pages taken from free holes (oldest first), then,
-//      after waiting for the streams that used them, recently freed ones, then new pages.
+//   1. best fit among the stream's own free *mapped* holes: no device call at all;
+//   2. otherwise best fit among free *unmapped* holes (each with its usable mapped neighbours),
+//      mapping the pages the block needs there: new physical pages while the policy holds less
+//      than (1 + grow_slack) x the peak live bytes; else another stream's safe hole that fits;
+//      else pages taken from free holes (oldest first); else, after waiting for its own stream,
+//      its recently freed pages; else new pages (Note [Where new pages come from],
+//      defrag_grow.cpp).
+// Requests up to small_size go to a second address range, so small long-lived tensors do not
+// pin the pages of large holes. Only pages wholly inside a free hole move, so peak reserved is
+// about max((1 + grow_slack) x peak live bytes, peak live bytes + the partly used pages at the
+// edges of free holes): 1.010 / 1.008 / 1.012 of peak requested on the shared traces.
 //
 // Settings (CACHEALLOC_CONF, e.g. "policy:defrag,grow_slack:0.005,va_reserve_gb:512"):
 //   va_reserve_gb     virtual address space reserved per range, in GiB (default: twice the
 //                     device memory); another range is reserved whenever one is full
-//   grow_slack        how far physical memory may grow beyond the live bytes before free pages
-//                     are moved instead of new ones created (fraction, default 0.01). Peak
-//                     reserved <= max((1 + grow_slack) x peak live bytes, live bytes plus the
-//                     partly used pages at the edges of free holes)
+//   grow_slack        how far physical memory may grow beyond the peak live bytes before free
+//                     pages are moved instead of new ones created (fraction, default 0.01; 0
+//                     moves the most pages and holds the least memory)
 //   small_size        requests up to this size go to their own address range, so that small
 //                     long-lived tensors do not pin the pages of large holes (bytes, default
 //                     1MB; 0 = one range for all sizes)
-//   wait_for_streams  before creating physical memory beyond the slack, wait for the events of
-//                     the streams that last used free pages and move those pages (default True)
+//   wait_for_streams  before creating physical memory beyond the slack, wait for the allocating
+//                     stream's events so that pages it freed recently can move (default True)
 //
 // Note [Physical pages and the streams that used them]
-// A page may only be unmapped once every stream that used it finished that work: the policy
-// stamps each freed range with the current *epoch*; closing an epoch records one event on each
-// stream that freed something during it (one event per stream per epoch, never per page), and
-// a range stamped e is safe once every event of epoch e completed. Unmapping only ever takes
-// pages of safe ranges; the same stamps decide when a range freed on stream A may be reused by
-// stream B without remapping (policy.h, item 4).
+// A page may only be unmapped once the streams that used it finished that work, and a hole
+// freed on stream S may be handed to another stream only then too. Frees are stamped with the
+// current *epoch*; closing an epoch records one event on each stream that freed something
+// during it (one event per stream per epoch, never per page or block). A hole stamped e is
+// *safe* once its owner stream's events up to epoch e completed: only the owner matters,
+// because every other stream's use finished before the free (policy.h, item 4), and holes of
+// different streams merge only when both are safe (or when a new block spans them). Epochs close at every allocation that has
+// to grow, and with several streams also every few frees (so that streams can reuse each
+// other's holes soon); completions are polled at the same points. The policy waits
+// (synchronize_event) only for the stream it allocates for, as PyTorch's expandable segments
+// wait before unmapping; it never blocks on another stream's work, except in release_cached()
+// (empty_cache and the out-of-memory retry), which waits for every stream.
 //
 // Stats: the backend counts map/unmap calls and bytes (Stats::num_maps, bytes_mapped, ...);
 // DefragPolicy::counters() adds pages created, moved and released, and the stream waits.

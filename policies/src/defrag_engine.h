@@ -1,0 +1,247 @@
+// defrag_engine.h: the state and internal interface of policy `defrag` (private to
+// policies/src: defrag.cpp holds the fast path and the epochs, defrag_grow.cpp the growth and
+// the page moves, defrag_check.cpp the invariants and snapshots). The design is in defrag.h and
+// in the Notes at the top of defrag.cpp.
+#pragma once
+
+#include <cachealloc/policies/defrag.h>
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <memory_resource>
+#include <set>
+#include <vector>
+
+namespace cachealloc::detail {
+/// Blocks start at, and their sizes are multiples of, 512 bytes (as cudaMalloc's).
+inline constexpr std::size_t kAlignment = 512;
+/// Other streams' mapped holes skipped (still pending) before a search gives up on that stream.
+inline constexpr int kMaxPendingSkips = 32;
+/// Unmapped holes slightly smaller than the request tried before the first that fits alone.
+inline constexpr int kUnmappedCandidates = 8;
+/// Unmerged neighbour pairs remembered before the policy closes an epoch on its own.
+inline constexpr std::size_t kDeferredLimit = 4096;
+/// With several streams, frees after which the next allocation closes the epoch.
+inline constexpr std::uint32_t kEpochFrees = 8;
+
+/// What a range is (Note [Ranges tile the address space]); `dead` marks a recycled node.
+enum class State : std::uint8_t { live, mapped_free, unmapped_free, dead };
+
+struct Node;
+struct Arena;
+
+struct IndexKey {
+  std::uint64_t bucket;  // mapped: kind << 32 | owner class; unmapped: kind
+  // Mutable so that a key whose new value keeps its place in the order can be updated in the
+  // tree without re-inserting it (DefragEngine::index_put).
+  mutable std::size_t size;
+  mutable std::uintptr_t addr;
+  Node* node;
+  friend bool operator<(const IndexKey& a, const IndexKey& b) noexcept {
+    if (a.bucket != b.bucket) {
+      return a.bucket < b.bucket;
+    }
+    if (a.size != b.size) {
+      return a.size < b.size;
+    }
+    return a.addr < b.addr;
+  }
+};
+using Index = std::pmr::set<IndexKey>;
+
+/// One range of an arena (Note [Ranges tile the address space]).
+struct Node {
+  std::uintptr_t addr = 0;
+  std::size_t size = 0;
+  Node* prev = nullptr;  // address neighbours in the arena
+  Node* next = nullptr;
+  Node* age_prev = nullptr;  // the age list: mapped holes holding at least one whole page
+  Node* age_next = nullptr;
+  Arena* arena = nullptr;
+  Index::iterator it{};
+  std::uint64_t stamp = 0;  // epoch of the last free merged into it (0: never used)
+  std::uint32_t cls = 0;    // owner stream's class (live: the allocating stream)
+  State state = State::dead;
+  bool indexed = false;
+  bool in_age = false;
+  [[nodiscard]] std::uintptr_t end() const noexcept { return addr + size; }
+};
+
+struct Arena {
+  std::uintptr_t base = 0;
+  std::size_t size = 0;
+  std::uint32_t kind = 0;
+  Node* head = nullptr;
+  std::vector<PhysicalHandle> pages;  // handle mapped at each page; grows to the highest mapped
+};
+
+struct Fence {
+  std::uint64_t epoch;
+  EventId event;
+};
+
+/// A stream that allocated here (its index is the "class" stored in ranges).
+struct StreamState {
+  StreamId id = 0;
+  std::deque<Fence> fences;  // events recorded on the stream, oldest first
+  std::uint64_t completed = 0;  // every epoch <= completed finished on this stream
+  bool dirty = false;           // freed something during the open epoch
+};
+
+class DefragEngine {
+ public:
+  DefragEngine(DeviceBackend& backend, const DefragSettings& settings);
+  ~DefragEngine();
+  DefragEngine(const DefragEngine&) = delete;
+  DefragEngine& operator=(const DefragEngine&) = delete;
+
+  Block allocate(std::size_t bytes, StreamId stream);
+  void deallocate(Block block) noexcept;
+  std::size_t release_cached();
+  [[nodiscard]] std::size_t reserved_bytes() const noexcept { return held_pages_ * page_; }
+  [[nodiscard]] std::size_t live_bytes() const noexcept { return live_bytes_; }
+  void check_invariants() const;
+  [[nodiscard]] std::vector<SegmentView> segments() const;
+  [[nodiscard]] DefragBreakdown breakdown() const;
+  [[nodiscard]] const DefragCounters& counters() const noexcept { return counters_; }
+  [[nodiscard]] const DefragSettings& settings() const noexcept { return settings_; }
+
+ private:
+  static constexpr std::uint32_t kLarge = 0;
+  static constexpr std::uint32_t kSmall = 1;
+
+  // ---- geometry ----
+  [[nodiscard]] std::uintptr_t page_down(std::uintptr_t a) const noexcept { return a & ~(page_ - 1); }
+  [[nodiscard]] std::uintptr_t page_up(std::uintptr_t a) const noexcept {
+    return (a + page_ - 1) & ~(page_ - 1);
+  }
+  [[nodiscard]] std::size_t whole_pages(const Node* n) const noexcept {
+    const std::uintptr_t lo = page_up(n->addr);
+    const std::uintptr_t hi = page_down(n->end());
+    return hi > lo ? (hi - lo) / page_ : 0;
+  }
+  [[nodiscard]] std::size_t page_index(const Arena& a, std::uintptr_t va) const noexcept {
+    return (va - a.base) / page_;
+  }
+
+  // ---- streams and epochs ----
+  std::uint32_t class_of(StreamId stream);
+  /// A hole is safe once its owner stream finished the work queued before the hole's last free
+  /// (other streams' uses finished before the free: policy.h, item 4).
+  [[nodiscard]] bool safe(const Node* n) const noexcept {
+    return n->stamp <= streams_[n->cls].completed;
+  }
+  [[nodiscard]] bool usable(const Node* n, std::uint32_t cls) const noexcept {
+    return n != nullptr && n->state == State::mapped_free && (n->cls == cls || safe(n));
+  }
+  /// Two free neighbours merge when they are unmapped, or belong to one stream, or are both
+  /// safe. A pending hole is not merged with a safe hole of another stream: the result would be
+  /// pending, and a small free could lock a large hole away from every other stream.
+  [[nodiscard]] bool mergeable(const Node* a, const Node* b) const noexcept {
+    return a->state == State::unmapped_free || a->cls == b->cls || (safe(a) && safe(b));
+  }
+  void mark_dirty(std::uint32_t cls) noexcept;
+
+  void close_epoch();
+  bool poll();
+  void wait_all();
+  /// Waits until stream class `cls` finished every epoch <= `epoch` (closing the open epoch if
+  /// it is included).
+  void wait_until(std::uint32_t cls, std::uint64_t epoch);
+  void update_completed(StreamState& s) const noexcept;
+  void process_deferred() noexcept;
+  /// Remembers an unmerged pair of mapped holes (`left` and its right neighbour).
+  void defer(Node* left) noexcept {
+    try {
+      deferred_.push_back(left);
+    } catch (...) {  // out of host memory: the pair merges at release_cached() instead
+    }
+  }
+
+  // ---- nodes, indexes, age list ----
+  Node* new_node();
+  void recycle(Node* n) noexcept;
+  void link_after(Node* pos, Node* n) noexcept;
+  void link_before(Node* pos, Node* n) noexcept;
+  void unlink(Node* n) noexcept;
+  [[nodiscard]] IndexKey key_of(const Node* n) const noexcept;
+  Index& index_of(const Node* n) noexcept { return n->state == State::unmapped_free ? unmapped_ : mapped_; }
+  void index_put(Node* n);
+  void index_remove(Node* n) noexcept;
+  void age_remove(Node* n) noexcept;
+  void age_update(Node* n) noexcept;
+  void age_touch(Node* n) noexcept;
+  /// Merges neighbours `left` and `right` (both free, same state, mergeable) into one of them
+  /// (an indexed one when there is one: it keeps its tree node) and returns it. When their
+  /// owners differ the result belongs to the pending one's, or (both safe) to `owner`.
+  Node* absorb(Node* left, Node* right, std::uint32_t owner) noexcept;
+  /// Merges free range `n` with every mergeable neighbour, remembers the pairs that must stay
+  /// apart for now, and (re)indexes the result, which it returns. With `for_owner`, merges only
+  /// with neighbours usable by stream class `owner`, so that the result stays usable by it.
+  Node* merge_around(Node* n, std::uint32_t owner, bool for_owner = false) noexcept;
+
+  // ---- placement ----
+  /// Best fit among the stream's own mapped holes.
+  Node* find_own(std::uint32_t kind, std::uint32_t cls, std::size_t size) const;
+  /// Best fit among other streams' mapped holes that are safe.
+  Node* find_other(std::uint32_t kind, std::uint32_t cls, std::size_t size) const;
+  Node* carve(Node* f, std::uintptr_t start, std::size_t size, std::uint32_t cls);
+  Node* grow(std::uint32_t kind, std::uint32_t cls, std::size_t size);
+  struct Placement {
+    Node* hole = nullptr;  // the unmapped hole
+    std::uintptr_t start = 0;
+  };
+  Placement place_unmapped(std::uint32_t kind, std::uint32_t cls, std::size_t size) const;
+  Arena* new_arena(std::uint32_t kind, std::size_t at_least);
+  /// Pages for a block (Note [Where new pages come from]); false when the device is full.
+  bool gather_pages(std::size_t count, std::size_t size, const Node* hole, std::uint32_t cls);
+  void create_pages(std::size_t count);
+  /// New pages the slack allows for a request of `size` bytes.
+  [[nodiscard]] std::size_t pages_within_slack(std::size_t size) const noexcept;
+  std::size_t steal(std::size_t want, const Node* hole);
+  /// The oldest epoch after whose completion on stream class `cls` `count` more whole free
+  /// pages of that stream (outside the hole's neighbours) could move; 0 when none could.
+  [[nodiscard]] std::uint64_t epoch_for_pages(std::size_t count, const Node* hole,
+                                              std::uint32_t cls) const;
+  /// Unmaps up to `want` whole pages at the top of mapped hole `n` into scratch_.
+  std::size_t take_pages(Node* n, std::size_t want);
+  void release_scratch() noexcept;
+  /// Turns [hole.addr, end) of an unmapped hole into a fresh mapped hole (merged with usable
+  /// neighbours) and returns the resulting mapped hole.
+  Node* make_fresh(Node* hole, std::uintptr_t end, std::uint32_t cls);
+
+  DeviceBackend& backend_;
+  VirtualMemory& vm_;
+  DefragSettings settings_;
+  std::size_t page_;
+  std::size_t va_reserve_;
+
+  std::pmr::unsynchronized_pool_resource pool_;
+  Index mapped_{&pool_};
+  Index unmapped_{&pool_};
+  std::deque<Node> node_storage_;
+  std::vector<Node*> node_free_;
+  std::vector<std::unique_ptr<Arena>> arenas_;
+  Node* age_head_ = nullptr;
+  Node* age_tail_ = nullptr;
+
+  std::vector<StreamState> streams_;  // few streams: linear search
+  StreamId last_stream_ = 0;
+  std::uint32_t last_cls_ = 0;
+  bool have_last_ = false;
+  std::vector<std::uint32_t> dirty_list_;
+  std::uint64_t epoch_ = 1;  // the open epoch: frees now are stamped with it
+  std::uint32_t frees_in_epoch_ = 0;
+  std::vector<Node*> deferred_;  // left halves of unmerged mapped neighbours
+
+  std::vector<PhysicalHandle> scratch_;
+  std::size_t held_pages_ = 0;
+  std::size_t live_bytes_ = 0;
+  std::size_t live_blocks_ = 0;
+  std::size_t peak_live_ = 0;  // highest live_bytes_ so far (the slack's base)
+  std::uint64_t unsafe_unmaps_ = 0;
+  DefragCounters counters_;
+};
+
+}  // namespace cachealloc::detail

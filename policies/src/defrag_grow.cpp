@@ -1,0 +1,359 @@
+// defrag_grow.cpp: policy `defrag` when no mapped hole fits: where the block goes in unmapped
+// address space, where its pages come from (new, or moved from free holes), and giving pages
+// back (release_cached).
+//
+// Note [Where new pages come from]
+// When no mapped hole of its own stream fits, a block goes to the best-fitting unmapped hole,
+// extended by the usable mapped holes on either side (so the partly used pages at the edges of
+// holes fill up). The pages it lacks come, in this order, from
+//   1. new physical pages, while the policy holds less than (1 + grow_slack) x the peak of live
+//      bytes so far (measured against the peak, not the current live bytes, the slack bounds the
+//      peak exactly as well but moves fewer pages in phases below it);
+//   2. instead of any page: another stream's safe mapped hole that fits (Note [Stream affinity]);
+//   3. the whole free pages of safe mapped holes, oldest hole first (the "age list"), unmapped in
+//      one call per hole and mapped under the new block ("stitching");
+//   4. after waiting for the allocating stream's oldest epochs that free enough of its own recent
+//      holes (wait_for_streams; never another stream's), those pages;
+//   5. new physical pages, or nothing (the front end's retry chain takes over).
+// Only pages entirely inside a free hole move; a page shared with a live block stays. So
+// physical memory grows beyond the slack only while every page held carries live bytes or
+// belongs to a hole that cannot move yet, which bounds the peak by about max((1 + slack) x peak
+// live, peak live + partly used edge pages).
+//
+// Note [Failures while growing]
+// Pages are gathered first (created, or unmapped from holes, which leaves consistent unmapped
+// holes behind), then mapped. If gathering fails, the gathered pages are released; if a map
+// fails, the pages mapped so far become a fresh mapped hole and the rest are released. Either
+// way the ranges, indexes and page table agree and mapped bytes equal held bytes.
+#include <cachealloc/errors.h>
+
+#include "defrag_engine.h"
+
+#include <algorithm>
+#include <limits>
+#include <utility>
+
+namespace cachealloc::detail {
+
+// ============================================================================ growth
+
+DefragEngine::Placement DefragEngine::place_unmapped(std::uint32_t kind, std::uint32_t cls,
+                                                     std::size_t size) const {
+  // Usable mapped holes on either side extend an unmapped hole (they are the partly used pages
+  // at its edges), so a hole up to two pages smaller than the request may do.
+  const std::size_t lowest = size > 2 * page_ ? size - 2 * page_ : 0;
+  auto it = unmapped_.lower_bound(IndexKey{kind, lowest, 0, nullptr});
+  for (int tried = 0; it != unmapped_.end() && it->bucket == kind; ++it, ++tried) {
+    if (tried == kUnmappedCandidates && it->size < size) {
+      it = unmapped_.lower_bound(IndexKey{kind, size, 0, nullptr});
+      if (it == unmapped_.end() || it->bucket != kind) {
+        break;
+      }
+    }
+    Node* hole = it->node;
+    const Node* left = usable(hole->prev, cls) ? hole->prev : nullptr;
+    const Node* right = usable(hole->next, cls) ? hole->next : nullptr;
+    const std::uintptr_t start = left != nullptr ? left->addr : hole->addr;
+    const std::uintptr_t limit = right != nullptr ? right->end() : hole->end();
+    if (start + size <= limit) {
+      return Placement{hole, start};
+    }
+  }
+  return {};
+}
+
+Node* DefragEngine::grow(std::uint32_t kind, std::uint32_t cls, std::size_t size) {
+  Placement where = place_unmapped(kind, cls, size);
+  if (where.hole == nullptr) {
+    new_arena(kind, size);  // its one unmapped hole holds the block
+    where = place_unmapped(kind, cls, size);
+    if (where.hole == nullptr) {
+      throw InvariantError("policy defrag: a new address range does not hold the block");
+    }
+  }
+  Node* hole = where.hole;
+  const std::uintptr_t start = where.start;
+  // Pages [hole.addr, window_end) get mapped; beyond the hole the block lies in a mapped hole.
+  const std::uintptr_t window_end =
+      std::clamp(page_up(start + size), hole->addr, hole->end());
+  const std::size_t count = (window_end - hole->addr) / page_;
+  Node* f = nullptr;
+  if (count == 0) {
+    f = hole->prev;  // the block fits in the usable mapped hole on the left
+  } else {
+    // Note [Stream affinity]: another stream's safe hole is taken only when the slack does not
+    // cover the new pages: it is that stream's cache, and taking it early makes that stream grow.
+    if (pages_within_slack(size) < count) {
+      if (Node* other = find_other(kind, cls, size)) {
+        return carve(other, other->addr, size, cls);
+      }
+    }
+    ++counters_.grow_allocations;
+    if (!gather_pages(count, size, hole, cls)) {
+      return nullptr;
+    }
+    Arena& arena = *hole->arena;
+    const std::size_t first = page_index(arena, hole->addr);
+    if (arena.pages.size() < first + count) {
+      try {
+        arena.pages.resize(first + count, 0);
+      } catch (...) {
+        release_scratch();
+        throw;
+      }
+    }
+    std::size_t mapped = 0;
+    try {
+      for (; mapped < count; ++mapped) {
+        vm_.map(hole->addr + mapped * page_, page_, scratch_[mapped]);
+        arena.pages[first + mapped] = scratch_[mapped];
+      }
+    } catch (...) {
+      // Keep what got mapped as a fresh hole; give back the rest (state stays consistent).
+      scratch_.erase(scratch_.begin(), scratch_.begin() + static_cast<std::ptrdiff_t>(mapped));
+      release_scratch();
+      counters_.pages_mapped += mapped;
+      if (mapped > 0) {
+        make_fresh(hole, hole->addr + mapped * page_, cls);
+      }
+      throw;
+    }
+    counters_.pages_mapped += count;
+    scratch_.clear();
+    f = make_fresh(hole, window_end, cls);
+  }
+  if (f->addr > start || f->end() < start + size) {
+    throw InvariantError("policy defrag: the mapped hole does not cover its placement");
+  }
+  return carve(f, start, size, cls);
+}
+
+bool DefragEngine::gather_pages(std::size_t count, std::size_t size, const Node* hole,
+                                std::uint32_t cls) {
+  scratch_.clear();
+  try {
+    create_pages(std::min(count, pages_within_slack(size)));
+    if (scratch_.size() < count) {
+      steal(count - scratch_.size(), hole);
+    }
+    if (scratch_.size() < count && settings_.wait_for_streams) {
+      // Wait for the allocating stream only (never block on another stream's work), and only
+      // for the oldest epochs that free enough pages.
+      const std::uint64_t epoch = epoch_for_pages(count - scratch_.size(), hole, cls);
+      if (epoch != 0) {
+        wait_until(cls, epoch);
+        steal(count - scratch_.size(), hole);
+      }
+    }
+    if (scratch_.size() < count) {
+      create_pages(count - scratch_.size());
+    }
+  } catch (...) {
+    release_scratch();
+    throw;
+  }
+  if (scratch_.size() < count) {
+    release_scratch();
+    return false;
+  }
+  return true;
+}
+
+std::size_t DefragEngine::pages_within_slack(std::size_t size) const noexcept {
+  // Note [Where new pages come from]: the slack is measured against the peak of live bytes so
+  // far, which bounds the peak reserved exactly as well and moves fewer pages below the peak.
+  const std::size_t peak = std::max(peak_live_, live_bytes_ + size);
+  const double allowed = (1.0 + settings_.grow_slack) * static_cast<double>(peak) -
+                         static_cast<double>(reserved_bytes());
+  return allowed > 0 ? static_cast<std::size_t>(allowed / static_cast<double>(page_)) : 0;
+}
+
+void DefragEngine::create_pages(std::size_t count) {
+  scratch_.reserve(scratch_.size() + count);
+  for (std::size_t i = 0; i < count; ++i) {
+    const PhysicalHandle h = vm_.create_physical(page_);
+    if (h == 0) {
+      return;
+    }
+    scratch_.push_back(h);
+    ++held_pages_;
+    ++counters_.pages_created;
+  }
+}
+
+void DefragEngine::release_scratch() noexcept {
+  for (PhysicalHandle h : scratch_) {
+    vm_.release_physical(h, page_);
+    --held_pages_;
+    ++counters_.pages_released;
+  }
+  scratch_.clear();
+}
+
+std::uint64_t DefragEngine::epoch_for_pages(std::size_t count, const Node* hole,
+                                            std::uint32_t cls) const {
+  std::vector<std::pair<std::uint64_t, std::size_t>> pending;  // (stamp, whole pages)
+  for (const Node* n = age_head_; n != nullptr; n = n->age_next) {
+    if (n != hole->prev && n != hole->next && n->cls == cls && !safe(n)) {
+      pending.emplace_back(n->stamp, whole_pages(n));
+    }
+  }
+  if (pending.empty()) {
+    return 0;
+  }
+  std::sort(pending.begin(), pending.end());
+  std::size_t pages = 0;
+  for (const auto& [stamp, whole] : pending) {
+    pages += whole;
+    if (pages >= count) {
+      return stamp;
+    }
+  }
+  return pending.back().first;  // not enough: take all there is, create the rest
+}
+
+std::size_t DefragEngine::steal(std::size_t want, const Node* hole) {
+  // The hole's own neighbours stay: they are part of the placement (and moving their pages
+  // would merge the hole away).
+  std::size_t taken = 0;
+  for (Node* n = age_head_; n != nullptr && taken < want;) {
+    Node* next = n->age_next;  // take_pages never recycles another age-list node
+    if (n != hole->prev && n != hole->next && safe(n)) {
+      const std::size_t k = take_pages(n, want - taken);
+      taken += k;
+      counters_.pages_moved += k;
+    }
+    n = next;
+  }
+  return taken;
+}
+
+std::size_t DefragEngine::take_pages(Node* n, std::size_t want) {
+  const std::size_t k = std::min(want, whole_pages(n));
+  if (k == 0) {
+    return 0;
+  }
+  if (!safe(n)) {
+    ++unsafe_unmaps_;  // never: callers check; check_invariants() reports it
+  }
+  const std::uintptr_t old_end = n->end();
+  const std::uint32_t owner = n->cls;  // n may turn into the unmapped part below
+  const std::uint64_t stamp = n->stamp;
+  const std::uintptr_t hi = page_down(old_end);
+  const std::uintptr_t cut = hi - k * page_;
+  // What can fail comes first (host allocations, then the device call); after the unmap only
+  // re-linking and re-keying remain, which cannot fail.
+  Node* right = nullptr;  // [hi, old_end): the partly used page at the top stays mapped
+  Node* mid = nullptr;    // [cut, hi): becomes unmapped (n itself when nothing is left below)
+  try {
+    if (hi < old_end) {
+      right = new_node();
+      right->arena = n->arena;
+      right->addr = hi;
+      right->size = old_end - hi;
+      right->state = State::mapped_free;
+      right->cls = owner;
+      right->stamp = stamp;
+      index_put(right);
+    }
+    if (cut > n->addr) {
+      mid = new_node();
+      mid->arena = n->arena;
+      mid->addr = cut;
+      mid->size = hi - cut;
+      mid->state = State::unmapped_free;
+      index_put(mid);
+    }
+    scratch_.reserve(scratch_.size() + k);
+    vm_.unmap(cut, k * page_);
+  } catch (...) {
+    for (Node* x : {right, mid}) {
+      if (x != nullptr) {
+        index_remove(x);
+        recycle(x);
+      }
+    }
+    throw;
+  }
+  ++counters_.unmap_batches;
+  Arena& arena = *n->arena;
+  const std::size_t first = page_index(arena, cut);
+  for (std::size_t i = 0; i < k; ++i) {
+    scratch_.push_back(arena.pages[first + i]);
+    arena.pages[first + i] = 0;
+  }
+  if (mid == nullptr) {
+    // Nothing of n stays below the unmapped pages: n becomes them.
+    index_remove(n);
+    age_remove(n);
+    n->state = State::unmapped_free;
+    n->size = hi - cut;
+    n->cls = 0;
+    n->stamp = 0;
+    mid = n;
+  } else {
+    link_after(n, mid);
+    n->size = cut - n->addr;
+    index_put(n);  // re-key: no allocation
+    age_update(n);
+  }
+  if (right != nullptr) {
+    link_after(mid, right);
+  }
+  merge_around(mid, 0);  // joins unmapped neighbours; indexes mid (re-key or insert)
+  return k;
+}
+
+Node* DefragEngine::make_fresh(Node* hole, std::uintptr_t end, std::uint32_t cls) {
+  Node* f = nullptr;
+  if (end < hole->end()) {
+    f = new_node();
+    f->addr = hole->addr;
+    f->size = end - hole->addr;
+    link_before(hole, f);
+    hole->addr = end;
+    hole->size -= f->size;
+    index_put(hole);
+  } else {
+    index_remove(hole);
+    f = hole;
+  }
+  f->state = State::mapped_free;
+  f->cls = cls;
+  f->stamp = 0;
+  return merge_around(f, cls, /*for_owner=*/true);
+}
+
+// ============================================================================ release
+
+std::size_t DefragEngine::release_cached() {
+  wait_all();
+  // Every hole is safe now: merge all neighbours the streams kept apart.
+  for (const auto& a : arenas_) {
+    for (Node* n = a->head; n != nullptr; n = n->next) {
+      if (n->state == State::mapped_free && n->next != nullptr &&
+          n->next->state == State::mapped_free) {
+        n = merge_around(n, n->cls);
+      }
+    }
+  }
+  deferred_.clear();
+  std::size_t released = 0;
+  scratch_.clear();
+  for (Node* n = age_head_; n != nullptr;) {
+    Node* next = n->age_next;
+    try {
+      take_pages(n, std::numeric_limits<std::size_t>::max());
+    } catch (...) {
+      released += scratch_.size();
+      release_scratch();
+      throw;
+    }
+    released += scratch_.size();
+    release_scratch();
+    n = next;
+  }
+  return released * page_;
+}
+
+}  // namespace cachealloc::detail
