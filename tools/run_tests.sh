@@ -17,7 +17,7 @@ if [[ "${CACHEALLOC_SANITIZERS:-${CI:-0}}" != 0 && "${CACHEALLOC_SANITIZERS:-1}"
     cmake -S . -B "build-$flavour" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
       -DCACHEALLOC_SANITIZER=$flavour -DCACHEALLOC_WITH_CUDA=OFF -DCACHEALLOC_BUILD_BENCH=ON \
       -DCACHEALLOC_WERROR=OFF  # GCC 12 + sanitizers: false -Wmaybe-uninitialized in Catch2's std::regex
-    cmake --build "build-$flavour" -j"$jobs" --target cachealloc_tests
+    cmake --build "build-$flavour" -j"$jobs"
     CACHEALLOC_RANDOM_OPS=${CACHEALLOC_SANITIZER_OPS:-200000} \
       ctest --test-dir "build-$flavour" --output-on-failure -j"$jobs"
   done
