@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # run_tests.sh: builds the whole tree and runs every test suite (the README's second command).
 #   CACHEALLOC_SANITIZERS=1  also builds and runs the ASan+UBSan and TSan flavours of the CPU suite
+#                            (not run by CI yet)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
@@ -12,7 +13,8 @@ ctest --test-dir build --output-on-failure -j"$jobs"
 if [[ -f tools/tests/test_cpu.py ]] && python3 -c 'import pytest' 2>/dev/null; then
   python3 -m pytest -q tools/tests || { rc=$?; [[ $rc == 5 ]] || exit $rc; }
 fi
-if [[ "${CACHEALLOC_SANITIZERS:-${CI:-0}}" != 0 && "${CACHEALLOC_SANITIZERS:-1}" != 0 ]]; then
+# Opt-in until the reliability issue wires them into CI with a measured time budget.
+if [[ "${CACHEALLOC_SANITIZERS:-0}" != 0 ]]; then
   for flavour in address thread; do
     cmake -S . -B "build-$flavour" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
       -DCACHEALLOC_SANITIZER=$flavour -DCACHEALLOC_WITH_CUDA=OFF -DCACHEALLOC_BUILD_BENCH=ON \
