@@ -22,61 +22,63 @@ void DefragEngine::check_invariants() const {
     CACHEALLOC_CHECK_INVARIANT(a->head != nullptr && a->head->prev == nullptr, "arena without head");
     std::uintptr_t cursor = a->base;
     for (const Node* n = a->head; n != nullptr; n = n->next) {
-      const std::string where = " at " + std::to_string(n->addr);
-      CACHEALLOC_CHECK_INVARIANT(n->arena == a.get(), "range in the wrong arena" + where);
-      CACHEALLOC_CHECK_INVARIANT(n->addr == cursor, "gap or overlap between ranges" + where);
+      // Built only when a check fails (the macro evaluates its message lazily).
+      const auto where = [n] { return " at " + std::to_string(n->addr); };
+      CACHEALLOC_CHECK_INVARIANT(n->arena == a.get(), "range in the wrong arena" + where());
+      CACHEALLOC_CHECK_INVARIANT(n->addr == cursor, "gap or overlap between ranges" + where());
       CACHEALLOC_CHECK_INVARIANT(n->size > 0 && n->size % kAlignment == 0 && n->addr % kAlignment == 0,
-                                 "range not 512-byte aligned or empty" + where);
-      CACHEALLOC_CHECK_INVARIANT(n->next == nullptr || n->next->prev == n, "broken links" + where);
-      CACHEALLOC_CHECK_INVARIANT(n->stamp <= epoch_, "stamp from the future" + where);
+                                 "range not 512-byte aligned or empty" + where());
+      CACHEALLOC_CHECK_INVARIANT(n->next == nullptr || n->next->prev == n, "broken links" + where());
+      CACHEALLOC_CHECK_INVARIANT(n->stamp <= epoch_, "stamp from the future" + where());
       const bool unmapped = n->state == State::unmapped_free;
       switch (n->state) {
         case State::live:
           live += n->size;
           ++live_blocks;
-          CACHEALLOC_CHECK_INVARIANT(!n->indexed && !n->in_age, "live block in a free index" + where);
+          CACHEALLOC_CHECK_INVARIANT(!n->indexed && !n->in_age, "live block in a free index" + where());
           break;
         case State::mapped_free: {
           ++mapped_nodes;
-          CACHEALLOC_CHECK_INVARIANT(n->indexed, "mapped hole missing from the index" + where);
+          CACHEALLOC_CHECK_INVARIANT(n->indexed, "mapped hole missing from the index" + where());
+          CACHEALLOC_CHECK_INVARIANT(n->cls < streams_.size(), "hole of an unknown stream" + where());
           if (n->next != nullptr && n->next->state == State::mapped_free) {
             CACHEALLOC_CHECK_INVARIANT(n->cls != n->next->cls,
-                                       "unmerged mapped holes of one stream" + where);
+                                       "unmerged mapped holes of one stream" + where());
           }
           CACHEALLOC_CHECK_INVARIANT(n->in_age == (whole_pages(n) > 0),
-                                     "age list disagrees with the hole's whole pages" + where);
+                                     "age list disagrees with the hole's whole pages" + where());
           break;
         }
         case State::unmapped_free:
           ++unmapped_nodes;
-          CACHEALLOC_CHECK_INVARIANT(n->indexed, "unmapped hole missing from the index" + where);
+          CACHEALLOC_CHECK_INVARIANT(n->indexed, "unmapped hole missing from the index" + where());
           CACHEALLOC_CHECK_INVARIANT(n->addr % page_ == 0 && n->size % page_ == 0,
-                                     "unmapped hole not page aligned" + where);
+                                     "unmapped hole not page aligned" + where());
           CACHEALLOC_CHECK_INVARIANT(n->next == nullptr || n->next->state != State::unmapped_free,
-                                     "unmerged unmapped holes" + where);
-          CACHEALLOC_CHECK_INVARIANT(!n->in_age, "unmapped hole in the age list" + where);
+                                     "unmerged unmapped holes" + where());
+          CACHEALLOC_CHECK_INVARIANT(!n->in_age, "unmapped hole in the age list" + where());
           break;
         case State::dead:
-          CACHEALLOC_CHECK_INVARIANT(false, "recycled node still linked" + where);
+          CACHEALLOC_CHECK_INVARIANT(false, "recycled node still linked" + where());
       }
       if (n->indexed) {
         const IndexKey& k = *n->it;
         CACHEALLOC_CHECK_INVARIANT(k.node == n && k.size == n->size && k.addr == n->addr,
-                                   "index key out of date" + where);
+                                   "index key out of date" + where());
         const IndexKey expected = key_of(n);
-        CACHEALLOC_CHECK_INVARIANT(k.bucket == expected.bucket, "index bucket out of date" + where);
+        CACHEALLOC_CHECK_INVARIANT(k.bucket == expected.bucket, "index bucket out of date" + where());
       }
       // Pages: mapped exactly outside unmapped holes.
       for (std::uintptr_t p = page_down(n->addr); p < n->end(); p += page_) {
         const std::size_t i = page_index(*a, p);
         const PhysicalHandle h = i < a->pages.size() ? a->pages[i] : 0;
         if (unmapped) {
-          CACHEALLOC_CHECK_INVARIANT(h == 0, "page mapped inside an unmapped hole" + where);
+          CACHEALLOC_CHECK_INVARIANT(h == 0, "page mapped inside an unmapped hole" + where());
           if (i >= a->pages.size()) {
             break;  // beyond the highest page ever mapped: all unmapped
           }
         } else {
-          CACHEALLOC_CHECK_INVARIANT(h != 0, "page under a block or mapped hole is unmapped" + where);
+          CACHEALLOC_CHECK_INVARIANT(h != 0, "page under a block or mapped hole is unmapped" + where());
           if (p >= n->addr) {  // count each page once: at the range where it starts
             handles.push_back(h);
           }
@@ -102,6 +104,7 @@ void DefragEngine::check_invariants() const {
   CACHEALLOC_CHECK_INVARIANT(unmapped_nodes == unmapped_.size(), "stale entries in the unmapped index");
   CACHEALLOC_CHECK_INVARIANT(live == live_bytes_ && live_blocks == live_blocks_,
                              "live bytes disagree with the blocks");
+  CACHEALLOC_CHECK_INVARIANT(peak_live_ >= live_bytes_, "peak live bytes below the live bytes");
   std::sort(handles.begin(), handles.end());
   CACHEALLOC_CHECK_INVARIANT(std::adjacent_find(handles.begin(), handles.end()) == handles.end(),
                              "a physical page is mapped twice");

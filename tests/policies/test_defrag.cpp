@@ -952,14 +952,14 @@ void run_oracle_sequence(std::uint64_t seed, std::uint64_t steps, bool faults) {
 
 TEST_CASE("defrag: randomized sequences keep every invariant and the stream oracle happy",
           "[defrag][random]") {
-  const std::uint64_t steps = CACHEALLOC_CHECK_LEVEL >= 3 ? 20000 : 4000;
+  const std::uint64_t steps = CACHEALLOC_CHECK_LEVEL >= 3 ? 50000 : 10000;
   for (std::uint64_t seed = 1; seed <= 4; ++seed) {
     run_oracle_sequence(seed, steps, /*faults=*/false);
   }
 }
 
 TEST_CASE("defrag: randomized sequences with injected device failures", "[defrag][random][faults]") {
-  const std::uint64_t steps = CACHEALLOC_CHECK_LEVEL >= 3 ? 20000 : 4000;
+  const std::uint64_t steps = CACHEALLOC_CHECK_LEVEL >= 3 ? 50000 : 10000;
   for (std::uint64_t seed = 101; seed <= 104; ++seed) {
     run_oracle_sequence(seed, steps, /*faults=*/true);
   }
