@@ -21,6 +21,13 @@ std::string_view to_string(SimCall call) noexcept {
 }
 
 SimBackend::SimBackend(SimOptions options) : options_(options) {
+  // Devices share one unified address space on a real machine: give each simulated device its
+  // own 1 TiB window so that pointers of different devices never collide.
+  if (options_.device < 0 || options_.device > 63) {
+    throw ConfigError("simulated device index must be in 0..63, got " + std::to_string(options_.device));
+  }
+  bump_ += static_cast<std::uintptr_t>(options_.device) << 40;
+  va_bump_ += static_cast<std::uintptr_t>(options_.device) << 40;
   if (options_.granularity == 0 || (options_.granularity & (options_.granularity - 1)) != 0) {
     throw ConfigError("simulated granularity must be a power of two, got " +
                       std::to_string(options_.granularity));

@@ -3,8 +3,8 @@
 Two ways to turn it on:
 
 * No change to your script: ``pip install --no-build-isolation ./tools`` installs a startup hook
-  (``cachealloc_autoload.pth``). When the environment variable ``CACHEALLOC_CONF`` is set (even
-  to an empty string), the hook calls :func:`enable` right after ``import torch``, before CUDA is
+  (``cachealloc_autoload.pth``). When the environment variable ``CACHEALLOC_CONF`` is set to a
+  non-empty value (``policy:size_class``; an empty value leaves PyTorch's allocator), the hook calls :func:`enable` right after ``import torch``, before CUDA is
   initialised::
 
       CACHEALLOC_CONF=policy:size_class python train.py

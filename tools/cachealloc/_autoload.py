@@ -96,8 +96,8 @@ def _remove_hook() -> None:
 def install() -> None:
     """Arms the hook (idempotent); if torch is already imported, enables at once."""
     global _hook, status
-    if "CACHEALLOC_CONF" not in os.environ or os.environ.get("CACHEALLOC_AUTOLOAD", "1") == "0":
-        status = "off: CACHEALLOC_CONF unset or CACHEALLOC_AUTOLOAD=0"
+    if not os.environ.get("CACHEALLOC_CONF") or os.environ.get("CACHEALLOC_AUTOLOAD", "1") == "0":
+        status = "off: CACHEALLOC_CONF unset/empty or CACHEALLOC_AUTOLOAD=0"
         return
     torch = sys.modules.get("torch")
     if torch is not None:
