@@ -245,3 +245,20 @@ TEST_CASE("conformance: memory fraction limits reserved memory", "[conformance]"
   CHECK_THROWS_AS(a->set_memory_fraction(1.5), ConfigError);
   a->check_invariants();
 }
+
+TEST_CASE("conformance: absurd sizes are out-of-memory, never a wrapped rounding",
+          "[conformance][misuse]") {
+  const std::string policy = GENERATE(from_range(cachealloc::test::policy_names()));
+  INFO("policy " << policy);
+  auto [sim, a] = make_sim_allocator(policy);
+  for (std::size_t size : {~std::size_t{0}, ~std::size_t{0} - 511, std::size_t{1} << 63,
+                           (std::size_t{1} << 48) + 1, std::size_t{1} << 47}) {
+    INFO("size " << size);
+    CHECK_THROWS_AS((void)a->allocate(size, 0), OutOfMemory);
+    a->check_invariants();
+  }
+  CHECK(a->stats().allocated_bytes.current == 0);
+  void* p = a->allocate(1, 0);
+  CHECK(p != nullptr);
+  a->deallocate(p);
+}

@@ -96,6 +96,9 @@ std::string out_of_memory_message(int device, std::string_view policy, std::size
                                   const DeviceBackend& backend, const Stats& stats,
                                   std::string_view hint);
 
+/// Requests above this (256 TiB) are refused as out-of-memory before any policy sees them.
+inline constexpr std::size_t kMaxRequestBytes = std::size_t{1} << 48;
+
 template <Policy P>
 class CachingAllocator final : public DeviceAllocator {
  public:
@@ -116,6 +119,15 @@ class CachingAllocator final : public DeviceAllocator {
   [[nodiscard]] void* allocate(std::size_t bytes, StreamId stream) override {
     if (bytes == 0) {
       return nullptr;
+    }
+    if (bytes > kMaxRequestBytes) {
+      // No device has 2^48 bytes; refusing here also keeps every policy's rounding from
+      // wrapping around near 2^64.
+      std::lock_guard lock(mutex_);
+      ++stats_.num_ooms;
+      throw OutOfMemory(out_of_memory_message(backend_->device(), P::kName, bytes, *backend_, stats_,
+                                              "The request is larger than any GPU's memory."),
+                        bytes);
     }
     std::lock_guard lock(mutex_);
     if (!pending_.empty()) {
