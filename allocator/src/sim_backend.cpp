@@ -137,7 +137,15 @@ void* SimBackend::do_reserve(std::size_t bytes) {
   }
   const std::size_t rounded = round_up(bytes, 2 * kMiB);
   if (script_next_ < script_.size()) {
-    if (script_[script_next_].first == bytes) {
+    const std::uintptr_t scripted = script_[script_next_].second;
+    bool usable = script_[script_next_].first == bytes && scripted != 0 && scripted % 512 == 0 &&
+                  scripted <= ~std::uintptr_t{0} - rounded;
+    // A recorded address may only be handed out again if it overlaps no live reservation (a
+    // hostile or inconsistent trace can name the same address twice).
+    for (auto it = reservations_.begin(); usable && it != reservations_.end(); ++it) {
+      usable = it->first + it->second <= scripted || scripted + rounded <= it->first;
+    }
+    if (usable) {
       const std::uintptr_t addr = script_[script_next_++].second;
       // Carve the range out of the ranges given back earlier, if it lies in one.
       auto it = free_ranges_.upper_bound(addr);

@@ -13,6 +13,7 @@
 #include <benchmark/benchmark.h>
 
 #include <cstring>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -89,21 +90,20 @@ void holes(benchmark::State& state, const std::string& policy) {
   }
 }
 
-std::unique_ptr<DeviceAllocator> g_shared;
+/// One shared allocator per policy, built before any benchmark thread starts (creating it inside
+/// the benchmark raced with the other threads' first iterations).
+std::map<std::string, std::unique_ptr<DeviceAllocator>>& shared_allocators() {
+  static std::map<std::string, std::unique_ptr<DeviceAllocator>> all;
+  return all;
+}
 
 void threads(benchmark::State& state, const std::string& policy) {
-  if (state.thread_index() == 0) {
-    g_shared = make(policy);
-  }
-  // Google Benchmark starts all threads' loops together after setup.
+  DeviceAllocator& shared = *shared_allocators().at(policy);
   for (auto _ : state) {
-    void* p = g_shared->allocate(4096 + 512 * static_cast<std::size_t>(state.thread_index()),
-                                 static_cast<StreamId>(state.thread_index()));
+    void* p = shared.allocate(4096 + 512 * static_cast<std::size_t>(state.thread_index()),
+                              static_cast<StreamId>(state.thread_index()));
     benchmark::DoNotOptimize(p);
-    g_shared->deallocate(p);
-  }
-  if (state.thread_index() == 0) {
-    state.SetLabel(policy);
+    shared.deallocate(p);
   }
 }
 
@@ -132,6 +132,7 @@ int main(int argc, char** argv) {
         h->Arg(n);
       }
     }
+    shared_allocators()[p] = make(p);
     benchmark::RegisterBenchmark(("threads/" + p).c_str(), threads, p)->ThreadRange(1, 8)->UseRealTime();
     if (smoke) {
       b->Iterations(100);

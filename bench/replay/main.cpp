@@ -1,6 +1,11 @@
 // main.cpp: cachealloc-replay, replays PyTorch memory snapshots on every policy side by side.
 #include "plot.h"
 #include "replay.h"
+#ifdef CACHEALLOC_REPLAY_WITH_CUDA
+#include "cuda_replay.h"
+
+#include <cachealloc/cuda/factory.h>
+#endif
 
 #include <cachealloc/errors.h>
 #include <cachealloc/policies/registry.h>
@@ -38,7 +43,7 @@ std::size_t parse_capacity(const std::string& text) {
 int main(int argc, char** argv) {
   CLI::App app{
       "cachealloc-replay: replays a PyTorch memory snapshot (torch.cuda.memory._dump_snapshot, "
-      "plain or .xz) on a simulated device for each allocator policy and prints peak reserved "
+      "plain or .xz) on a simulated device (or, with --device cuda, on the real GPU) for each allocator policy and prints peak reserved "
       "memory, fragmentation and speed side by side, with the reservations PyTorch's own "
       "allocator made in the recorded run as the first row."};
   std::string trace_path;
@@ -52,20 +57,32 @@ int main(int argc, char** argv) {
   bool quiet = false;
   bool list = false;
   std::uint64_t check_every = 0;
+  int gpu = 0;
+  std::uint64_t sample_every = 64;
   app.add_option("trace", trace_path, "the snapshot file (.pickle or .pickle.xz)");
   app.add_option("--policy,-p", policies,
-                 "policy to replay (repeatable; default: every registered policy)");
+                 "policy to replay (repeatable; default: every registered policy; with --device cuda: every "
+                 "policy that is not replay-only, then torch_native and cudaMallocAsync, which are "
+                 "also valid names there)");
   app.add_option("--conf,-c", confs,
                  "CACHEALLOC_CONF settings for a policy, as POLICY=KEY:VALUE,... e.g. "
                  "native=expandable_segments:True (repeatable; 'native' defaults to the settings "
                  "recorded in the trace)");
   app.add_option("--capacity", capacity_text,
-                 "simulated device memory, e.g. 80GB or 143771MB (default: an H200, 143771MB)");
+                 "simulated device memory, e.g. 80GB or 143771MB (default: an H200, 143771MB; --device sim only)");
   app.add_option("--json", json_path, "write the results as JSON to this file");
   app.add_option("--plot", plot_path,
                  "draw reserved and live bytes over the trace for every policy (.svg or .html)");
-  app.add_option("--device", device_kind, "sim (default): the simulated device")
-      ->check(CLI::IsMember({"sim"}));
+  app.add_option("--device", device_kind,
+                 "sim (default): the simulated device; cuda: the real GPU (our policies on their "
+                 "CUDA backends, PyTorch's own allocator through LibTorch as torch_native, and "
+                 "cudaMallocAsync), with per-operation latency p50/p90/p99/max and the peak seen "
+                 "by cudaMemGetInfo; exits 2 when no GPU is visible")
+      ->check(CLI::IsMember({"sim", "cuda"}));
+  app.add_option("--gpu", gpu, "with --device cuda: which CUDA device to use (default 0)");
+  app.add_option("--sample-every", sample_every,
+                 "with --device cuda: read cudaMemGetInfo every N operations for the measured peak "
+                 "(default 64; also after every reservation change of our backends)");
   app.add_option("--trace-device", device, "which device of the snapshot to replay (default: busiest)");
   app.add_option("--check-every", check_every,
                  "run the allocator's invariant checks every N operations (slow; 0 = off)");
@@ -86,15 +103,42 @@ int main(int argc, char** argv) {
     return 2;
   }
   const bool progress = !quiet && isatty(STDERR_FILENO) != 0;
+  const bool on_gpu = device_kind == "cuda";
+  if (on_gpu) {
+#ifdef CACHEALLOC_REPLAY_WITH_CUDA
+    if (cuda_device_count() <= gpu) {
+      std::cerr << "cachealloc-replay: --device cuda: no CUDA GPU " << gpu
+                << " is visible (found " << cuda_device_count()
+                << " devices; no driver or no GPU here); use --device sim\n";
+      return 2;
+    }
+    if (!plot_path.empty()) {
+      std::cerr << "cachealloc-replay: --plot is not supported with --device cuda\n";
+      return 2;
+    }
+#else
+    std::cerr << "cachealloc-replay: --device cuda: this build has no CUDA support "
+                 "(configure with the CUDA toolkit); use --device sim\n";
+    return 2;
+#endif
+  }
 
   try {
     std::size_t capacity = parse_capacity(capacity_text);
-    if (policies.empty()) {
+    if (policies.empty() && !on_gpu) {
       for (const PolicyInfo& p : registered_policies()) {
         policies.emplace_back(p.name);
       }
     }
+#ifdef CACHEALLOC_REPLAY_WITH_CUDA
+    if (policies.empty() && on_gpu) {
+      policies = replay::default_cuda_rows();
+    }
+#endif
     for (const std::string& p : policies) {
+      if (on_gpu && (p == "torch_native" || p == "cudaMallocAsync")) {
+        continue;
+      }
       if (find_policy(p) == nullptr) {
         Config dummy;
         (void)make_allocator(p, std::make_unique<SimBackend>(), dummy);  // throws a clear error
@@ -120,6 +164,20 @@ int main(int argc, char** argv) {
     std::string name = trace_path.substr(trace_path.find_last_of('/') + 1);
     const replay::PreparedTrace prepared =
         replay::prepare(snapshot, name, device >= 0 ? std::optional<int>(device) : std::nullopt);
+#ifdef CACHEALLOC_REPLAY_WITH_CUDA
+    if (on_gpu) {
+      replay::CudaCommand command;
+      command.trace_path = trace_path;
+      command.rows = policies;
+      command.conf_of = conf_of;
+      command.json_path = json_path;
+      command.gpu = gpu;
+      command.sample_every = sample_every;
+      command.check_every = check_every;
+      command.progress = progress;
+      return replay::run_cuda_command(prepared, command);
+    }
+#endif
 
     std::vector<replay::PolicyResult> results;
     for (const std::string& p : policies) {

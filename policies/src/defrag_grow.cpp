@@ -169,6 +169,15 @@ std::size_t DefragEngine::pages_within_slack(std::size_t size) const noexcept {
 }
 
 void DefragEngine::create_pages(std::size_t count) {
+  // Fail fast when the device (or the memory-fraction limit) cannot hold that many pages: a
+  // request larger than the device would otherwise cost one cuMemCreate per page before failing,
+  // and a page list sized for it could itself exhaust host memory (found by the replay fuzzer).
+  const std::size_t limit = backend_.usable_memory();
+  const std::size_t room = std::min(backend_.free_memory(),
+                                    limit > backend_.held_bytes() ? limit - backend_.held_bytes() : 0);
+  if (count > room / page_) {
+    return;
+  }
   scratch_.reserve(scratch_.size() + count);
   for (std::size_t i = 0; i < count; ++i) {
     const PhysicalHandle h = vm_.create_physical(page_);

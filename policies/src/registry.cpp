@@ -12,6 +12,9 @@
 #ifdef CACHEALLOC_HAS_DEFRAG
 #include <cachealloc/policies/defrag.h>
 #endif
+#ifdef CACHEALLOC_HAS_ASYNC
+#include <cachealloc/policies/async.h>
+#endif
 
 namespace cachealloc {
 namespace {
@@ -41,6 +44,11 @@ const std::vector<Row>& rows() {
     t.push_back({{"defrag", "defragmenting best-fit on CUDA virtual memory",
                   BackendNeed::virtual_memory, false, &DefragPolicy::config_keys},
                  &build<DefragPolicy>});
+#endif
+#ifdef CACHEALLOC_HAS_ASYNC
+    t.push_back({{"async", "per-stream front cache over a cudaMallocAsync pool (stream-ordered)",
+                  BackendNeed::stream_ordered, false, &AsyncPolicy::config_keys},
+                 &build<AsyncPolicy>});
 #endif
     return t;
   }();

@@ -135,10 +135,32 @@ std::uint64_t CudaAsyncBackend::attribute(cudaMemPoolAttr attr) const {
   return value;
 }
 
-std::uint64_t CudaAsyncBackend::reserved_current() const { return attribute(cudaMemPoolAttrReservedMemCurrent); }
-std::uint64_t CudaAsyncBackend::reserved_high() const { return attribute(cudaMemPoolAttrReservedMemHigh); }
-std::uint64_t CudaAsyncBackend::used_current() const { return attribute(cudaMemPoolAttrUsedMemCurrent); }
-std::uint64_t CudaAsyncBackend::used_high() const { return attribute(cudaMemPoolAttrUsedMemHigh); }
+std::size_t CudaAsyncBackend::reserved_current() const { return attribute(cudaMemPoolAttrReservedMemCurrent); }
+std::size_t CudaAsyncBackend::reserved_high() const { return attribute(cudaMemPoolAttrReservedMemHigh); }
+std::size_t CudaAsyncBackend::used_current() const { return attribute(cudaMemPoolAttrUsedMemCurrent); }
+std::size_t CudaAsyncBackend::used_high() const { return attribute(cudaMemPoolAttrUsedMemHigh); }
+
+StreamOrderedOptions CudaAsyncBackend::pool_options() const {
+  return {options_.release_threshold, options_.reuse_follow_event_dependencies,
+          options_.reuse_allow_opportunistic, options_.reuse_allow_internal_dependencies};
+}
+
+void CudaAsyncBackend::set_pool_options(const StreamOrderedOptions& options) {
+  CudaDeviceGuard guard(device_);
+  std::uint64_t threshold = options.release_threshold;
+  int follow = options.reuse_follow_event_dependencies ? 1 : 0;
+  int opportunistic = options.reuse_allow_opportunistic ? 1 : 0;
+  int internal = options.reuse_allow_internal_dependencies ? 1 : 0;
+  CACHEALLOC_CUDA_CHECK(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &threshold));
+  CACHEALLOC_CUDA_CHECK(cudaMemPoolSetAttribute(pool_, cudaMemPoolReuseFollowEventDependencies, &follow));
+  CACHEALLOC_CUDA_CHECK(cudaMemPoolSetAttribute(pool_, cudaMemPoolReuseAllowOpportunistic, &opportunistic));
+  CACHEALLOC_CUDA_CHECK(
+      cudaMemPoolSetAttribute(pool_, cudaMemPoolReuseAllowInternalDependencies, &internal));
+  options_.release_threshold = options.release_threshold;
+  options_.reuse_follow_event_dependencies = options.reuse_follow_event_dependencies;
+  options_.reuse_allow_opportunistic = options.reuse_allow_opportunistic;
+  options_.reuse_allow_internal_dependencies = options.reuse_allow_internal_dependencies;
+}
 
 void CudaAsyncBackend::reset_high_watermarks() {
   std::uint64_t zero = 0;  // the only value these attributes accept: resets to the current value

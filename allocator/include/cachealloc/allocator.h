@@ -133,9 +133,17 @@ class CachingAllocator final : public DeviceAllocator {
     if (!pending_.empty()) {
       flush_pending(/*wait=*/false);
     }
-    Block block = try_allocate(bytes, stream);
-    if (!block) {
-      block = retry_allocate(bytes, stream);
+    Block block;
+    try {
+      block = try_allocate(bytes, stream);
+      if (!block) {
+        block = retry_allocate(bytes, stream);
+      }
+    } catch (...) {
+      // A DeviceError from the policy (or the retry chain) may come after the policy already
+      // changed its reservations: keep reserved_bytes in step before reporting it.
+      sync_reserved();
+      throw;
     }
     map_.insert(reinterpret_cast<std::uintptr_t>(block.ptr),
                 Entry{block, bytes, stream, {}});

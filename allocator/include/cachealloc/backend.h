@@ -18,6 +18,7 @@
 // backend is counted and limited the same way, and a backend cannot forget either.
 #pragma once
 
+#include <cachealloc/stream_ordered.h>
 #include <cachealloc/types.h>
 
 #include <atomic>
@@ -107,6 +108,8 @@ class DeviceBackend {
 
   /// The virtual-memory half, or nullptr when this backend has none.
   [[nodiscard]] virtual VirtualMemory* virtual_memory() noexcept { return nullptr; }
+  /// The stream-ordered pool (stream_ordered.h), or nullptr when this backend has none.
+  [[nodiscard]] virtual StreamOrderedMemory* stream_ordered() noexcept { return nullptr; }
 
   // ---- limits and counters (not virtual: Note [Accounting and limits live in the base class]) ----
   /// Upper bound on reserved + physical bytes; default: unlimited (the device decides).

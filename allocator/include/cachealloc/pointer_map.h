@@ -31,6 +31,9 @@ class PointerMap {
   }
 
   [[nodiscard]] V* find(std::uintptr_t key) noexcept {
+    if (key == 0) {
+      return nullptr;  // 0 marks an empty slot: it would "match" one (record_stream(nullptr))
+    }
     const std::size_t mask = slots_.size() - 1;
     for (std::size_t i = hash(key) & mask;; i = (i + 1) & mask) {
       Slot& s = slots_[i];
@@ -48,6 +51,9 @@ class PointerMap {
 
   /// Removes `key` if present; returns whether it was.
   bool erase(std::uintptr_t key) noexcept {
+    if (key == 0) {
+      return false;
+    }
     const std::size_t mask = slots_.size() - 1;
     std::size_t i = hash(key) & mask;
     while (slots_[i].key != key) {

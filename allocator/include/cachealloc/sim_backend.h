@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cachealloc/backend.h>
+#include <cachealloc/sim_stream_pool.h>
 
 #include <cstdint>
 #include <map>
@@ -70,6 +71,8 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
   void destroy_event(EventId event) noexcept override;
 
   [[nodiscard]] VirtualMemory* virtual_memory() noexcept override { return this; }
+  /// The simulated stream-ordered pool (sim_stream_pool.h); it reserves through virtual_memory().
+  [[nodiscard]] SimStreamPool* stream_ordered() noexcept override { return &pool_; }
 
   // ---- driving the fake device ----
   void complete_stream(StreamId stream);
@@ -111,6 +114,7 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
   [[nodiscard]] bool is_mapped(std::uintptr_t va, std::size_t bytes) const;
 
  private:
+  friend class SimStreamPool;  // marks free positions in stream order, reads events
   // DeviceBackend hooks
   [[nodiscard]] void* do_reserve(std::size_t bytes) override;
   void do_release(void* ptr, std::size_t bytes) noexcept override;
@@ -166,6 +170,7 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
   SimFault fail_at_fault_ = SimFault::out_of_memory;
   std::optional<std::pair<SimCall, SimFault>> fail_next_;
   std::uint64_t injected_ = 0;
+  SimStreamPool pool_{*this, *this};  // last: it refers to the members above
 };
 
 }  // namespace cachealloc

@@ -17,6 +17,7 @@
 
 #include <cachealloc/backend.h>
 #include <cachealloc/config.h>
+#include <cachealloc/stream_ordered.h>
 #include <cachealloc/cuda/event_pool.h>
 
 #include <cstddef>
@@ -42,7 +43,7 @@ struct CudaAsyncOptions {
   static CudaAsyncOptions from_config(Config& config);
 };
 
-class CudaAsyncBackend final : public DeviceBackend {
+class CudaAsyncBackend final : public DeviceBackend, public StreamOrderedMemory {
  public:
   /// Creates the pool on `device`. Throws DeviceError when the device has no memory-pool support.
   CudaAsyncBackend(int device, CudaAsyncOptions options = {});
@@ -60,26 +61,32 @@ class CudaAsyncBackend final : public DeviceBackend {
   [[nodiscard]] bool query_event(EventId event) override;
   void synchronize_event(EventId event) override;
   void destroy_event(EventId event) noexcept override;
+  [[nodiscard]] StreamOrderedMemory* stream_ordered() noexcept override { return this; }
 
   // ---- stream-ordered allocation ----
   /// `bytes` from the pool, usable on `stream` in stream order. nullptr when the device is out
   /// of memory or the limit would be exceeded; throws DeviceError on other failures.
-  [[nodiscard]] void* allocate_async(std::size_t bytes, StreamId stream);
+  [[nodiscard]] void* allocate_async(std::size_t bytes, StreamId stream) override;
   /// Frees `ptr` in stream order on `stream` (cudaFreeAsync). Reports failures on stderr.
-  void free_async(void* ptr, StreamId stream) noexcept;
+  void free_async(void* ptr, StreamId stream) noexcept override;
   /// Work queued on `waiter` from now on waits for `event` (cudaStreamWaitEvent).
-  void make_stream_wait(StreamId waiter, EventId event);
+  void make_stream_wait(StreamId waiter, EventId event) override;
   /// Releases unused pool memory until at most `keep_bytes` stay reserved (cudaMemPoolTrimTo).
   /// Memory freed with free_async counts as unused once the free's stream reached it.
-  void trim_to(std::size_t keep_bytes);
+  void trim_to(std::size_t keep_bytes) override;
 
   // ---- pool attributes ----
-  [[nodiscard]] std::uint64_t reserved_current() const;  ///< cudaMemPoolAttrReservedMemCurrent
-  [[nodiscard]] std::uint64_t reserved_high() const;     ///< cudaMemPoolAttrReservedMemHigh
-  [[nodiscard]] std::uint64_t used_current() const;      ///< cudaMemPoolAttrUsedMemCurrent
-  [[nodiscard]] std::uint64_t used_high() const;         ///< cudaMemPoolAttrUsedMemHigh
+  [[nodiscard]] std::size_t reserved_current() const override;  ///< cudaMemPoolAttrReservedMemCurrent
+  [[nodiscard]] std::size_t reserved_high() const override;     ///< cudaMemPoolAttrReservedMemHigh
+  [[nodiscard]] std::size_t used_current() const override;      ///< cudaMemPoolAttrUsedMemCurrent
+  [[nodiscard]] std::size_t used_high() const override;         ///< cudaMemPoolAttrUsedMemHigh
   /// Resets both high watermarks to the current values.
-  void reset_high_watermarks();
+  void reset_high_watermarks() override;
+  /// 256 B: the alignment CUDA guarantees for every device allocation.
+  [[nodiscard]] std::size_t granularity() const noexcept override { return 256; }
+  [[nodiscard]] StreamOrderedOptions pool_options() const override;
+  /// Sets the pool's release threshold and reuse attributes (cudaMemPoolSetAttribute).
+  void set_pool_options(const StreamOrderedOptions& options) override;
 
   [[nodiscard]] const CudaAsyncOptions& options() const noexcept { return options_; }
   [[nodiscard]] cudaMemPool_t pool() const noexcept { return pool_; }
