@@ -17,6 +17,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 using namespace cachealloc;
@@ -37,7 +38,7 @@ void pair(benchmark::State& state, const std::string& policy) {
   a->deallocate(a->allocate(bytes, 0));  // warm the cache
   for (auto _ : state) {
     void* p = a->allocate(bytes, 0);
-    benchmark::DoNotOptimize(p);
+    benchmark::DoNotOptimize(std::as_const(p));  // const overload: the "+m" form handed back the address of p under GCC 12 + ASan
     a->deallocate(p);
   }
 }
@@ -82,7 +83,7 @@ void holes(benchmark::State& state, const std::string& policy) {
   const std::size_t probe = (2 << 20) + 700 * 4096;
   for (auto _ : state) {
     void* p = a->allocate(probe, 0);
-    benchmark::DoNotOptimize(p);
+    benchmark::DoNotOptimize(std::as_const(p));  // const overload: the "+m" form handed back the address of p under GCC 12 + ASan
     a->deallocate(p);
   }
   for (std::size_t i = 1; i < blocks.size(); i += 2) {
@@ -102,7 +103,7 @@ void threads(benchmark::State& state, const std::string& policy) {
   for (auto _ : state) {
     void* p = shared.allocate(4096 + 512 * static_cast<std::size_t>(state.thread_index()),
                               static_cast<StreamId>(state.thread_index()));
-    benchmark::DoNotOptimize(p);
+    benchmark::DoNotOptimize(std::as_const(p));  // const overload: the "+m" form handed back the address of p under GCC 12 + ASan
     shared.deallocate(p);
   }
 }
