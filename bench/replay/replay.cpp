@@ -177,6 +177,46 @@ Fidelity compare_segments(const PreparedTrace& trace,
   return f;
 }
 
+Player::Player(const PreparedTrace& trace, DeviceAllocator& allocator, SimBackend& sim)
+    : allocator_(allocator), sim_(sim), ptrs_(trace.slots, nullptr) {}
+
+void Player::apply(const Op& op) {
+  void*& ptr = ptrs_[op.slot];
+  switch (op.kind) {
+    case OpKind::alloc:
+      ptr = nullptr;
+      ptr = allocator_.allocate(op.size, op.stream);
+      break;
+    case OpKind::free:
+      allocator_.deallocate(ptr);
+      ptr = nullptr;
+      break;
+    case OpKind::free_deferred:
+      if (ptr != nullptr) {
+        allocator_.record_stream(ptr, kDeferredStreamBase + op.slot);
+        sim_.hold_stream(kDeferredStreamBase + op.slot);
+        held_.push_back(op.slot);
+        allocator_.deallocate(ptr);
+        ptr = nullptr;
+      }
+      break;
+    case OpKind::free_completed:
+      sim_.release_stream(kDeferredStreamBase + op.slot);
+      break;
+  }
+}
+
+void Player::finish() {
+  for (void*& p : ptrs_) {
+    allocator_.deallocate(p);
+    p = nullptr;
+  }
+  for (std::uint32_t slot : held_) {
+    sim_.release_stream(kDeferredStreamBase + slot);
+  }
+  held_.clear();
+}
+
 PolicyResult run(const PreparedTrace& trace, const std::string& policy, const std::string& conf,
                  const ReplayOptions& options) {
   PolicyResult r;
@@ -220,7 +260,7 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
 #endif
 
   DeviceAllocator& alloc = *allocator;
-  std::vector<void*> ptrs(trace.slots, nullptr);
+  Player player(trace, alloc, sim);
   const std::size_t n = trace.ops.size();
   const std::size_t sample_every =
       options.plot_points == 0 ? 0 : std::max<std::size_t>(1, n / options.plot_points);
@@ -233,39 +273,18 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
   auto last_progress = start;
   for (std::size_t i = 0; i < n; ++i) {
     const Op& op = trace.ops[i];
-    switch (op.kind) {
-      case OpKind::alloc:
-        try {
-          ptrs[op.slot] = alloc.allocate(op.size, op.stream);
-        } catch (const OutOfMemory&) {
-          ++r.failed_allocations;
-        }
-        if (sample_every != 0) {
-          slot_sizes[op.slot] = op.size;
-          requested += op.size;
-        }
-        break;
-      case OpKind::free:
-        alloc.deallocate(ptrs[op.slot]);
-        ptrs[op.slot] = nullptr;
-        if (sample_every != 0) {
-          requested -= slot_sizes[op.slot];
-        }
-        break;
-      case OpKind::free_deferred:
-        if (ptrs[op.slot] != nullptr) {
-          alloc.record_stream(ptrs[op.slot], kDeferredStreamBase + op.slot);
-          sim.hold_stream(kDeferredStreamBase + op.slot);
-          alloc.deallocate(ptrs[op.slot]);
-          ptrs[op.slot] = nullptr;
-        }
-        if (sample_every != 0) {
-          requested -= slot_sizes[op.slot];
-        }
-        break;
-      case OpKind::free_completed:
-        sim.release_stream(kDeferredStreamBase + op.slot);
-        break;
+    try {
+      player.apply(op);
+    } catch (const OutOfMemory&) {
+      ++r.failed_allocations;
+    }
+    if (sample_every != 0) {
+      if (op.kind == OpKind::alloc) {
+        slot_sizes[op.slot] = op.size;
+        requested += op.size;
+      } else if (op.kind == OpKind::free || op.kind == OpKind::free_deferred) {
+        requested -= slot_sizes[op.slot];
+      }
     }
     if (sample_every != 0 && i % sample_every == 0) {
       r.samples.push_back({i, static_cast<std::uint64_t>(alloc.stats().reserved_bytes.current), requested});

@@ -104,6 +104,26 @@ struct ReplayOptions {
   std::uint64_t check_every = 0;
 };
 
+/// Plays a prepared trace's operations, one at a time, on an allocator over a simulated device
+/// (Note [Replaying frees]). run() uses it; so do tests that check the allocator between
+/// operations or inject faults, so every driver replays frees the same way.
+class Player {
+ public:
+  Player(const PreparedTrace& trace, DeviceAllocator& allocator, SimBackend& sim);
+  /// Applies `op`. A failed allocation (OutOfMemory, DeviceError) leaves its slot empty and
+  /// propagates; later frees of that slot are no-ops.
+  void apply(const Op& op);
+  /// Frees every block still live when the recording stopped and completes every deferred free
+  /// the trace left pending, so the allocator can be checked for leaks.
+  void finish();
+
+ private:
+  DeviceAllocator& allocator_;
+  SimBackend& sim_;
+  std::vector<void*> ptrs_;
+  std::vector<std::uint32_t> held_;  // slots whose deferred free has not completed
+};
+
 /// Replays `trace` on a fresh simulated device with `policy` configured by `conf`.
 PolicyResult run(const PreparedTrace& trace, const std::string& policy, const std::string& conf,
                  const ReplayOptions& options);

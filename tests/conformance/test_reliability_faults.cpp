@@ -28,7 +28,6 @@ using namespace cachealloc;
 
 namespace {
 
-constexpr StreamId kDeferredStreamBase = 0xFFFF'0000'0000'0000ull;  // as in replay.cpp
 
 const replay::PreparedTrace& mlp_trace() {
   static const replay::PreparedTrace t = [] {
@@ -58,8 +57,7 @@ Outcome replay_with_fault(const replay::PreparedTrace& t, const std::string& pol
   if (k != 0) {
     sim->fail_call(k, fault);
   }
-  std::vector<void*> ptrs(t.slots, nullptr);
-  std::vector<std::uint32_t> held;  // deferred-free streams still held
+  replay::Player player(t, *a, *sim);
   bool fault_seen = false;
   auto note_fault = [&](std::size_t i) {
     if (!fault_seen && sim->injected_faults() != 0) {
@@ -75,36 +73,20 @@ Outcome replay_with_fault(const replay::PreparedTrace& t, const std::string& pol
     const replay::Op& op = t.ops[i];
     const bool before = fault_seen;
     try {
-      switch (op.kind) {
-        case replay::OpKind::alloc:
-          try {
-            ptrs[op.slot] = a->allocate(op.size, op.stream);
-          } catch (const OutOfMemory&) {
-            ++out.failed_oom;
-            out.failed_after_fault += before ? 1 : 0;
-            ptrs[op.slot] = nullptr;
-          } catch (const DeviceError&) {
-            ++out.failed_device;
-            out.failed_after_fault += before ? 1 : 0;
-            ptrs[op.slot] = nullptr;
-          }
-          break;
-        case replay::OpKind::free:
-          a->deallocate(ptrs[op.slot]);
-          ptrs[op.slot] = nullptr;
-          break;
-        case replay::OpKind::free_deferred:
-          if (ptrs[op.slot] != nullptr) {
-            a->record_stream(ptrs[op.slot], kDeferredStreamBase + op.slot);
-            sim->hold_stream(kDeferredStreamBase + op.slot);
-            held.push_back(op.slot);
-            a->deallocate(ptrs[op.slot]);
-            ptrs[op.slot] = nullptr;
-          }
-          break;
-        case replay::OpKind::free_completed:
-          sim->release_stream(kDeferredStreamBase + op.slot);
-          break;
+      try {
+        player.apply(op);
+      } catch (const OutOfMemory&) {
+        if (op.kind != replay::OpKind::alloc) {
+          throw;  // only allocations may fail
+        }
+        ++out.failed_oom;
+        out.failed_after_fault += before ? 1 : 0;
+      } catch (const DeviceError&) {
+        if (op.kind != replay::OpKind::alloc) {
+          throw;
+        }
+        ++out.failed_device;
+        out.failed_after_fault += before ? 1 : 0;
       }
     } catch (const std::exception& e) {
       out.unexpected = "op " + std::to_string(i) + " (kind " +
@@ -119,13 +101,7 @@ Outcome replay_with_fault(const replay::PreparedTrace& t, const std::string& pol
   out.injected = sim->injected_faults();
   try {
     a->check_invariants();
-    for (void*& p : ptrs) {
-      a->deallocate(p);
-      p = nullptr;
-    }
-    for (std::uint32_t slot : held) {
-      sim->release_stream(kDeferredStreamBase + slot);
-    }
+    player.finish();
     sim->complete_all();
     a->empty_cache();
     a->check_invariants();
@@ -214,8 +190,7 @@ TEST_CASE("reliability: fail_next on each kind of device call mid-trace is survi
     SimOptions opts;
     opts.device = t.device;
     auto [sim, a] = cachealloc::test::make_sim_allocator(policy, opts);
-    std::vector<void*> ptrs(t.slots, nullptr);
-    std::vector<std::uint32_t> held;
+    replay::Player player(t, *a, *sim);
     std::uint64_t failed = 0;
     sim->fail_call(k, SimFault::device_error);
     int burst = 0;
@@ -226,43 +201,22 @@ TEST_CASE("reliability: fail_next on each kind of device call mid-trace is survi
           sim->fail_call(1, burst % 2 == 0 ? SimFault::device_error : SimFault::out_of_memory);
         }
       }
-      switch (op.kind) {
-        case replay::OpKind::alloc:
-          try {
-            ptrs[op.slot] = a->allocate(op.size, op.stream);
-          } catch (const OutOfMemory&) {
-            ++failed;
-          } catch (const DeviceError&) {
-            ++failed;
-          }
-          break;
-        case replay::OpKind::free:
-          REQUIRE_NOTHROW(a->deallocate(ptrs[op.slot]));
-          ptrs[op.slot] = nullptr;
-          break;
-        case replay::OpKind::free_deferred:
-          if (ptrs[op.slot] != nullptr) {
-            REQUIRE_NOTHROW(a->record_stream(ptrs[op.slot], kDeferredStreamBase + op.slot));
-            sim->hold_stream(kDeferredStreamBase + op.slot);
-            held.push_back(op.slot);
-            REQUIRE_NOTHROW(a->deallocate(ptrs[op.slot]));
-            ptrs[op.slot] = nullptr;
-          }
-          break;
-        case replay::OpKind::free_completed:
-          sim->release_stream(kDeferredStreamBase + op.slot);
-          break;
+      if (op.kind == replay::OpKind::alloc) {
+        try {
+          player.apply(op);
+        } catch (const OutOfMemory&) {
+          ++failed;
+        } catch (const DeviceError&) {
+          ++failed;
+        }
+      } else {
+        REQUIRE_NOTHROW(player.apply(op));
       }
     }
     sim->clear_faults();
     CHECK(failed <= 6);
     REQUIRE_NOTHROW(a->check_invariants());
-    for (void* p : ptrs) {
-      a->deallocate(p);
-    }
-    for (std::uint32_t slot : held) {
-      sim->release_stream(kDeferredStreamBase + slot);
-    }
+    player.finish();
     sim->complete_all();
     a->empty_cache();
     REQUIRE_NOTHROW(a->check_invariants());

@@ -34,7 +34,6 @@ using namespace cachealloc;
 
 namespace {
 
-constexpr StreamId kDeferredStreamBase = 0xFFFF'0000'0000'0000ull;  // as in replay.cpp
 
 const std::vector<replay::PreparedTrace>& all_traces() {
   static const std::vector<replay::PreparedTrace> traces = [] {
@@ -58,45 +57,17 @@ int soak_passes() {
 
 /// Replays `t` on `a`; frees what is left live and releases held streams at the end.
 /// Returns the number of failed allocations.
-std::uint64_t replay_once(DeviceAllocator& a, SimBackend& sim, const replay::PreparedTrace& t,
-                          std::vector<void*>& ptrs, std::vector<std::uint32_t>& held) {
-  ptrs.assign(t.slots, nullptr);
-  held.clear();
+std::uint64_t replay_once(DeviceAllocator& a, SimBackend& sim, const replay::PreparedTrace& t) {
+  replay::Player player(t, a, sim);
   std::uint64_t failed = 0;
   for (const replay::Op& op : t.ops) {
-    switch (op.kind) {
-      case replay::OpKind::alloc:
-        try {
-          ptrs[op.slot] = a.allocate(op.size, op.stream);
-        } catch (const OutOfMemory&) {
-          ++failed;
-        }
-        break;
-      case replay::OpKind::free:
-        a.deallocate(ptrs[op.slot]);
-        ptrs[op.slot] = nullptr;
-        break;
-      case replay::OpKind::free_deferred:
-        if (ptrs[op.slot] != nullptr) {
-          a.record_stream(ptrs[op.slot], kDeferredStreamBase + op.slot);
-          sim.hold_stream(kDeferredStreamBase + op.slot);
-          held.push_back(op.slot);
-          a.deallocate(ptrs[op.slot]);
-          ptrs[op.slot] = nullptr;
-        }
-        break;
-      case replay::OpKind::free_completed:
-        sim.release_stream(kDeferredStreamBase + op.slot);
-        break;
+    try {
+      player.apply(op);
+    } catch (const OutOfMemory&) {
+      ++failed;
     }
   }
-  for (void*& p : ptrs) {
-    a.deallocate(p);  // blocks still live when the recording stopped
-    p = nullptr;
-  }
-  for (std::uint32_t slot : held) {
-    sim.release_stream(kDeferredStreamBase + slot);  // deferred frees never completed in the trace
-  }
+  player.finish();
   return failed;
 }
 
@@ -109,8 +80,6 @@ TEST_CASE("reliability: soak, every bundled trace back to back on one allocator,
   const auto& traces = all_traces();
   auto [sim, a] = cachealloc::test::make_sim_allocator(policy);
   const int passes = soak_passes();
-  std::vector<void*> ptrs;
-  std::vector<std::uint32_t> held;
   std::vector<std::int64_t> reserved_after;
   std::int64_t peak_reserved_pass1 = 0;
   std::uint64_t device_allocs_pass2 = 0;
@@ -122,7 +91,7 @@ TEST_CASE("reliability: soak, every bundled trace back to back on one allocator,
     std::uint64_t failed = 0;
     for (const replay::PreparedTrace& t : traces) {
       INFO("trace " << t.name);
-      failed += replay_once(*a, *sim, t, ptrs, held);
+      failed += replay_once(*a, *sim, t);
     }
     CHECK(failed == 0);
     // Parked frees whose streams finished go back to the policy at the next allocation: make
