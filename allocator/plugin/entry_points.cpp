@@ -122,15 +122,6 @@ void append_json_string(std::string& out, std::string_view s) {
   out += '"';
 }
 
-std::string_view backend_name(cachealloc::BackendNeed need) noexcept {
-  switch (need) {
-    case cachealloc::BackendNeed::runtime: return "runtime";
-    case cachealloc::BackendNeed::virtual_memory: return "virtual_memory";
-    case cachealloc::BackendNeed::stream_ordered: return "stream_ordered";
-  }
-  return "runtime";
-}
-
 }  // namespace
 
 // ---- CUDAPluggableAllocator hooks -----------------------------------------------------------
@@ -244,7 +235,7 @@ extern "C" int64_t cachealloc_policies_json(char* buf, size_t len) {
       json += ", \"summary\": ";
       append_json_string(json, p.summary);
       json += ", \"backend\": ";
-      append_json_string(json, backend_name(p.backend));
+      append_json_string(json, cachealloc::backend_kind(p.backend));
       json += ", \"replay_only\": ";
       json += p.replay_only ? "true" : "false";
       json += ", \"config_keys\": [";

@@ -25,15 +25,6 @@ namespace {
 
 std::atomic<Runtime*> g_runtime{nullptr};
 
-std::string_view backend_kind(BackendNeed need) noexcept {
-  switch (need) {
-    case BackendNeed::runtime: return "runtime";
-    case BackendNeed::virtual_memory: return "virtual_memory";
-    case BackendNeed::stream_ordered: return "stream_ordered";
-  }
-  return "runtime";
-}
-
 std::string registered_policy_names() {
   std::string names;
   for (const PolicyInfo& p : registered_policies()) {

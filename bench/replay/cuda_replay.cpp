@@ -55,15 +55,6 @@ Latency summarize(std::vector<std::uint32_t>& ns) {
   return l;
 }
 
-std::string_view backend_kind(BackendNeed need) {
-  switch (need) {
-    case BackendNeed::runtime: return "runtime";
-    case BackendNeed::virtual_memory: return "virtual_memory";
-    case BackendNeed::stream_ordered: return "stream_ordered";
-  }
-  return "runtime";
-}
-
 // ---- our policies ----
 class PolicyTarget final : public CudaTarget {
  public:

@@ -65,6 +65,15 @@ std::vector<PolicyInfo> infos() {
 
 }  // namespace
 
+std::string_view backend_kind(BackendNeed need) noexcept {
+  switch (need) {
+    case BackendNeed::runtime: return "runtime";
+    case BackendNeed::virtual_memory: return "virtual_memory";
+    case BackendNeed::stream_ordered: return "stream_ordered";
+  }
+  return "runtime";
+}
+
 std::span<const PolicyInfo> registered_policies() {
   static const std::vector<PolicyInfo> all = infos();
   return all;

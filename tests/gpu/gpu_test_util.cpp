@@ -21,15 +21,6 @@ long env_or(const char* name, long fallback) {
   return (end != nullptr && *end == '\0') ? value : fallback;
 }
 
-std::string_view backend_kind(BackendNeed need) noexcept {
-  switch (need) {
-    case BackendNeed::runtime: return "runtime";
-    case BackendNeed::virtual_memory: return "virtual_memory";
-    case BackendNeed::stream_ordered: return "stream_ordered";
-  }
-  return "runtime";
-}
-
 std::vector<std::string> gpu_policy_names() {
   std::vector<std::string> names;
   for (const PolicyInfo& p : registered_policies()) {

@@ -34,9 +34,6 @@ int test_device();
 /// An integer from the environment (for scaling the stress test), or `fallback`.
 long env_or(const char* name, long fallback);
 
-/// The backend kind (factory.h) a policy needs.
-std::string_view backend_kind(BackendNeed need) noexcept;
-
 /// Every registered policy (the suite runs each on the backend it needs).
 std::vector<std::string> gpu_policy_names();
 /// The registered policies that need `need`.

@@ -19,6 +19,10 @@ enum class BackendNeed : std::uint8_t {
   stream_ordered,   ///< a cudaMemPool_t (cudaMallocAsync)
 };
 
+/// The backend kind name make_cuda_backend() takes for `need`: "runtime", "virtual_memory" or
+/// "stream_ordered".
+std::string_view backend_kind(BackendNeed need) noexcept;
+
 struct PolicyInfo {
   std::string_view name;
   std::string_view summary;
