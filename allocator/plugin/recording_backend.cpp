@@ -51,6 +51,14 @@ void RecordingBackend::do_map(std::uintptr_t va, std::size_t bytes, PhysicalHand
   recorder_.record(trace::Action::segment_map, device(), va, bytes, 0);
 }
 
+void RecordingBackend::do_map_run(std::uintptr_t va, std::span<const MapPiece> pieces) {
+  inner_vm_->map_run(va, pieces);
+  for (const MapPiece& p : pieces) {
+    recorder_.record(trace::Action::segment_map, device(), va, p.bytes, 0);
+    va += p.bytes;
+  }
+}
+
 void RecordingBackend::do_unmap(std::uintptr_t va, std::size_t bytes) {
   inner_vm_->unmap(va, bytes);
   recorder_.record(trace::Action::segment_unmap, device(), va, bytes, 0);

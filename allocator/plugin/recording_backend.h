@@ -68,6 +68,7 @@ class RecordingBackend final : public DeviceBackend, private VirtualMemory {
   void do_release_physical(PhysicalHandle handle) noexcept override;
   void do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) override;
   void do_unmap(std::uintptr_t va, std::size_t bytes) override;
+  void do_map_run(std::uintptr_t va, std::span<const MapPiece> pieces) override;
 
   std::unique_ptr<DeviceBackend> inner_;
   VirtualMemory* inner_vm_;

@@ -55,6 +55,33 @@ void VirtualMemory::map(std::uintptr_t va, std::size_t bytes, PhysicalHandle han
   owner_->counters_.mapped_bytes += bytes;
 }
 
+void VirtualMemory::map_run(std::uintptr_t va, std::span<const MapPiece> pieces) {
+  do_map_run(va, pieces);
+  for (const MapPiece& p : pieces) {
+    ++owner_->counters_.map_calls;
+    owner_->counters_.mapped_bytes += p.bytes;
+  }
+}
+
+void VirtualMemory::do_map_run(std::uintptr_t va, std::span<const MapPiece> pieces) {
+  std::size_t done = 0;
+  std::uintptr_t at = va;
+  try {
+    for (; done < pieces.size(); ++done) {
+      do_map(at, pieces[done].bytes, pieces[done].handle);
+      at += pieces[done].bytes;
+    }
+  } catch (...) {
+    if (at > va) {
+      try {
+        do_unmap(va, at - va);
+      } catch (...) {  // NOLINT(bugprone-empty-catch): the first error is the one to report
+      }
+    }
+    throw;
+  }
+}
+
 void VirtualMemory::unmap(std::uintptr_t va, std::size_t bytes) {
   do_unmap(va, bytes);
   ++owner_->counters_.unmap_calls;

@@ -64,12 +64,14 @@ DefragEngine::DefragEngine(DeviceBackend& backend, const DefragSettings& setting
   va_reserve_ = settings_.va_reserve_bytes != 0 ? settings_.va_reserve_bytes
                                                 : 2 * backend.total_memory();
   va_reserve_ = std::max(page_up(va_reserve_), page_);
+  max_chunk_pages_ = std::max<std::size_t>(settings_.max_chunk_bytes / page_, 1);
   new_arena(kLarge, page_);
 }
 
 DefragEngine::~DefragEngine() {
   for (const auto& a : arenas_) {
-    // Unmap runs of consecutive mapped pages in one call each, then release every handle.
+    // Unmap runs of consecutive mapped pages in one call each, then release every chunk (the
+    // run of pages carrying its handle).
     std::size_t p = 0;
     while (p < a->pages.size()) {
       if (a->pages[p] == 0) {
@@ -84,8 +86,13 @@ DefragEngine::~DefragEngine() {
         vm_.unmap(a->base + p * page_, (q - p) * page_);
       } catch (...) {  // NOLINT(bugprone-empty-catch): destructors must not throw
       }
-      for (std::size_t i = p; i < q; ++i) {
-        vm_.release_physical(a->pages[i], page_);
+      for (std::size_t i = p; i < q;) {
+        std::size_t j = i + 1;
+        while (j < q && a->pages[j] == a->pages[i]) {
+          ++j;
+        }
+        vm_.release_physical(a->pages[i], (j - i) * page_);
+        i = j;
       }
       p = q;
     }
@@ -578,7 +585,7 @@ Node* DefragEngine::carve(Node* f, std::uintptr_t start, std::size_t size, std::
 // ============================================================================ the policy
 
 std::vector<std::string_view> DefragPolicy::config_keys() {
-  return {"va_reserve_gb", "grow_slack", "small_size", "wait_for_streams"};
+  return {"va_reserve_gb", "grow_slack", "small_size", "wait_for_streams", "max_chunk_mb"};
 }
 
 DefragSettings DefragPolicy::parse_settings(Config& config) {
@@ -598,6 +605,9 @@ DefragSettings DefragPolicy::parse_settings(Config& config) {
   }
   if (auto wait = config.take_bool("wait_for_streams")) {
     s.wait_for_streams = *wait;
+  }
+  if (auto mb = config.take_double("max_chunk_mb", 0.5, 1 << 20)) {
+    s.max_chunk_bytes = static_cast<std::size_t>(*mb * static_cast<double>(kMiB));
   }
   return s;
 }

@@ -105,9 +105,20 @@ void DefragEngine::check_invariants() const {
   CACHEALLOC_CHECK_INVARIANT(live == live_bytes_ && live_blocks == live_blocks_,
                              "live bytes disagree with the blocks");
   CACHEALLOC_CHECK_INVARIANT(peak_live_ >= live_bytes_, "peak live bytes below the live bytes");
-  std::sort(handles.begin(), handles.end());
-  CACHEALLOC_CHECK_INVARIANT(std::adjacent_find(handles.begin(), handles.end()) == handles.end(),
-                             "a physical page is mapped twice");
+  // `handles` lists the handle of every mapped page in address order: each chunk must appear as
+  // one run (mapped once, whole), and the chunks mapped must be every chunk held.
+  std::vector<PhysicalHandle> runs;
+  for (std::size_t i = 0; i < handles.size(); ++i) {
+    if (i == 0 || handles[i] != handles[i - 1]) {
+      runs.push_back(handles[i]);
+    }
+  }
+  std::sort(runs.begin(), runs.end());
+  CACHEALLOC_CHECK_INVARIANT(std::adjacent_find(runs.begin(), runs.end()) == runs.end(),
+                             "a physical chunk is mapped twice (or in pieces)");
+  CACHEALLOC_CHECK_INVARIANT(runs.size() == held_chunks_,
+                             "mapped chunks (" + std::to_string(runs.size()) +
+                                 ") differ from the chunks held (" + std::to_string(held_chunks_) + ")");
   CACHEALLOC_CHECK_INVARIANT(handles.size() == held_pages_,
                              "mapped pages (" + std::to_string(handles.size()) +
                                  ") differ from the pages held (" + std::to_string(held_pages_) + ")");

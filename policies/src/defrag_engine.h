@@ -22,6 +22,8 @@ inline constexpr int kMaxPendingSkips = 32;
 inline constexpr int kUnmappedCandidates = 8;
 /// Unmerged neighbour pairs remembered before the policy closes an epoch on its own.
 inline constexpr std::size_t kDeferredLimit = 4096;
+/// A growth creates about this many chunks (Note [Chunks], defrag_grow.cpp).
+inline constexpr std::size_t kChunksPerGrowth = 16;
 /// With several streams, frees after which the next allocation closes the epoch.
 inline constexpr std::uint32_t kEpochFrees = 8;
 
@@ -73,7 +75,16 @@ struct Arena {
   std::size_t size = 0;
   std::uint32_t kind = 0;
   Node* head = nullptr;
-  std::vector<PhysicalHandle> pages;  // handle mapped at each page; grows to the highest mapped
+  // The handle mapped at each page (a chunk's handle at each of its pages); grows to the highest
+  // page ever mapped.
+  std::vector<PhysicalHandle> pages;
+};
+
+/// Physical memory gathered for a placement: one handle of `pages` pages (Note [Chunks],
+/// defrag_grow.cpp).
+struct Chunk {
+  PhysicalHandle handle;
+  std::size_t pages;
 };
 
 struct Fence {
@@ -194,18 +205,27 @@ class DefragEngine {
   };
   Placement place_unmapped(std::uint32_t kind, std::uint32_t cls, std::size_t size) const;
   Arena* new_arena(std::uint32_t kind, std::size_t at_least);
-  /// Pages for a block (Note [Where new pages come from]); false when the device is full.
-  bool gather_pages(std::size_t count, std::size_t size, const Node* hole, std::uint32_t cls);
+  /// At least `count` and at most `room` pages for a block, in whole chunks (Note [Where new
+  /// pages come from], Note [Chunks]); false when the device is full.
+  bool gather_pages(std::size_t count, std::size_t room, std::size_t size, const Node* hole,
+                    std::uint32_t cls);
+  /// Creates `count` pages in chunks of at most max_chunk_pages_ into scratch_ (fewer when the
+  /// device is full).
   void create_pages(std::size_t count);
+  [[nodiscard]] PhysicalHandle create_chunk(std::size_t pages);
   /// New pages the slack allows for a request of `size` bytes.
   [[nodiscard]] std::size_t pages_within_slack(std::size_t size) const noexcept;
-  std::size_t steal(std::size_t want, const Node* hole);
+  /// Moves whole chunks of safe free holes into scratch_ until `want` pages, taking none that
+  /// would bring the pages gathered beyond `room`.
+  std::size_t steal(std::size_t want, std::size_t room, const Node* hole);
   /// The oldest epoch after whose completion on stream class `cls` `count` more whole free
   /// pages of that stream (outside the hole's neighbours) could move; 0 when none could.
   [[nodiscard]] std::uint64_t epoch_for_pages(std::size_t count, const Node* hole,
                                               std::uint32_t cls) const;
-  /// Unmaps up to `want` whole pages at the top of mapped hole `n` into scratch_.
-  std::size_t take_pages(Node* n, std::size_t want);
+  /// Unmaps the chunks lying wholly at the top of mapped hole `n`, from the top down, into
+  /// scratch_ while fewer than `want` pages were taken and the next chunk fits in `room`.
+  std::size_t take_pages(Node* n, std::size_t want, std::size_t room);
+  [[nodiscard]] std::size_t scratch_pages() const noexcept;
   void release_scratch() noexcept;
   /// Turns [hole.addr, end) of an unmapped hole into a fresh mapped hole (merged with usable
   /// neighbours) and returns the resulting mapped hole.
@@ -235,8 +255,11 @@ class DefragEngine {
   std::uint32_t frees_in_epoch_ = 0;
   std::vector<Node*> deferred_;  // left halves of unmerged mapped neighbours
 
-  std::vector<PhysicalHandle> scratch_;
+  std::vector<Chunk> scratch_;
+  std::vector<MapPiece> pieces_;  // scratch_ as map_run wants it (kept to reuse its storage)
+  std::size_t max_chunk_pages_ = 1;
   std::size_t held_pages_ = 0;
+  std::size_t held_chunks_ = 0;
   std::size_t live_bytes_ = 0;
   std::size_t live_blocks_ = 0;
   std::size_t peak_live_ = 0;  // highest live_bytes_ so far (the slack's base)

@@ -168,6 +168,9 @@ class OracleBackend final : public DeviceBackend, private VirtualMemory {
   void do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) override {
     vm_.map(va, bytes, handle);
   }
+  void do_map_run(std::uintptr_t va, std::span<const MapPiece> pieces) override {
+    vm_.map_run(va, pieces);
+  }
   void do_unmap(std::uintptr_t va, std::size_t bytes) override {
     if (busy(va, bytes, 0, /*any=*/true)) {
       violations_.push_back("unmapped [" + std::to_string(va) + ", +" + std::to_string(bytes) +
@@ -334,8 +337,46 @@ TEST_CASE("defrag: settings come from CACHEALLOC_CONF and are validated", "[defr
   CHECK_THROWS_AS(settings_from("small_size:2GB"), ConfigError);
   CHECK_THROWS_AS(settings_from("wait_for_streams:maybe"), ConfigError);
   CHECK_THROWS_WITH(settings_from("grow_slak:0.1"), Catch::Contains("grow_slack"));
+  CHECK(d.max_chunk_bytes == kGiB);
+  CHECK(settings_from("max_chunk_mb:2").max_chunk_bytes == 2 * MiB);
+  CHECK_THROWS_AS(settings_from("max_chunk_mb:0"), ConfigError);
   const auto keys = DefragPolicy::config_keys();
-  CHECK(keys.size() == 4);
+  CHECK(keys.size() == 5);
+}
+
+TEST_CASE("defrag: a growth creates about sixteen chunks, mapped as one run", "[defrag]") {
+  SECTION("default: 64 MiB in 16 chunks of two pages") {
+    Fixture f;
+    const Block b = f.alloc(64 * MiB);
+    CHECK(f.policy.counters().pages_created == 32);
+    CHECK(f.policy.counters().chunks_created == 16);
+    CHECK(f.sim.counters().map_calls == 16);
+    f.free(b);
+    CHECK(f.policy.release_cached() == 64 * MiB);
+    f.check();
+    CHECK(f.sim.live_physical() == 0);
+  }
+  SECTION("max_chunk_mb at the page size: one handle per page") {
+    Fixture f("max_chunk_mb:2");
+    const Block b = f.alloc(64 * MiB);
+    CHECK(f.policy.counters().chunks_created == 32);
+    f.free(b);
+    f.check();
+  }
+  SECTION("a chunk moves whole, only when no live byte lies on it") {
+    Fixture f("grow_slack:0");
+    const Block a = f.alloc(64 * MiB);  // 16 chunks of 2 pages
+    const Block keep = f.alloc(3 * MiB);  // shares a's last page... and pins nothing of a's
+    f.free(a);
+    f.sim.complete_all();
+    const std::uint64_t moved = f.policy.counters().chunks_moved;
+    const Block big = f.alloc(100 * MiB);  // needs pages beyond the slack: a's chunks move
+    CHECK(f.policy.counters().chunks_moved > moved);
+    f.check();
+    f.free(big);
+    f.free(keep);
+    f.check();
+  }
 }
 
 // ============================================================================ placement
@@ -559,11 +600,13 @@ TEST_CASE("defrag: failures while mapping, unmapping or recording leave a consis
     CHECK(b);
     f.free(b);
   }
-  SECTION("a later map fails: the pages already mapped stay as a hole") {
+  SECTION("a later map of the run fails: nothing stays mapped, the pages are released") {
     Fixture f;
     f.sim.fail_call(7, SimFault::device_error);  // five creates, one map, then the second map
     CHECK_THROWS_AS(f.policy.allocate(9 * MiB, 0), DeviceError);
     f.check();
+    CHECK(f.sim.live_physical() == 0);
+    CHECK(f.policy.reserved_bytes() == 0);
     const Block b = f.alloc(9 * MiB);
     f.free(b);
   }

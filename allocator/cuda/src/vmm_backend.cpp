@@ -107,17 +107,34 @@ void CudaVmmBackend::do_release_physical(PhysicalHandle handle) noexcept {
 }
 
 void CudaVmmBackend::do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) {
+  const MapPiece piece{handle, bytes};
+  do_map_run(va, std::span<const MapPiece>(&piece, 1));
+}
+
+void CudaVmmBackend::do_map_run(std::uintptr_t va, std::span<const MapPiece> pieces) {
   const cuda_detail::DriverApi& api = cuda_detail::driver_api();
   CudaDeviceGuard guard(device(), /*force=*/true);
-  CACHEALLOC_CU_CHECK(
-      api.mem_map(to_cu(va), bytes, 0, static_cast<CUmemGenericAllocationHandle>(handle), 0));
-  CUmemAccessDesc access{};
-  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  access.location.id = device();
-  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  const CUresult status = api.mem_set_access(to_cu(va), bytes, &access, 1);
+  std::uintptr_t at = va;
+  CUresult status = CUDA_SUCCESS;
+  for (const MapPiece& p : pieces) {
+    status = api.mem_map(to_cu(at), p.bytes, 0, static_cast<CUmemGenericAllocationHandle>(p.handle), 0);
+    if (status != CUDA_SUCCESS) {
+      break;
+    }
+    at += p.bytes;
+  }
+  if (status == CUDA_SUCCESS && at > va) {
+    // One access call for the whole run: it costs about as much for a gigabyte as for a page.
+    CUmemAccessDesc access{};
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = device();
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    status = api.mem_set_access(to_cu(va), at - va, &access, 1);
+  }
   if (status != CUDA_SUCCESS) {
-    CACHEALLOC_CU_WARN(api.mem_unmap(to_cu(va), bytes));  // leave the range as we found it
+    if (at > va) {
+      CACHEALLOC_CU_WARN(api.mem_unmap(to_cu(va), at - va));  // leave the range as we found it
+    }
     CACHEALLOC_CU_CHECK(status);
   }
 }

@@ -1,11 +1,12 @@
 // defrag.h: policy `defrag`, defragmenting best-fit on CUDA virtual memory.
 //
 // Blocks are packed (512-byte aligned) into a large reserved virtual address range; physical
-// memory backs it in pages of the device granularity (2 MiB on the H200), one physical handle
-// per page, so that pages can move individually. A page is mapped while any live byte lies on
-// it; pages at the edges of blocks are shared by their neighbours. When memory would otherwise
-// grow, the physical pages lying under free holes are unmapped and mapped where they are
-// needed ("stitching", GMLake, ASPLOS 2024), so holes never cost physical memory for long.
+// memory backs it in pages of the device granularity (2 MiB on the H200), created in chunks
+// (a growth creates about 16 physical handles, mapped with one access call) so that growing by
+// a gigabyte costs a few dozen device calls and not a thousand. A page is mapped while any live byte
+// lies on it; pages at the edges of blocks are shared by their neighbours. When memory would
+// otherwise grow, the chunks lying wholly under free holes are unmapped and mapped where they
+// are needed ("stitching", GMLake, ASPLOS 2024), so holes never cost physical memory for long.
 // reserved_bytes() is the physical memory held, and all of it is mapped between calls.
 //
 // Placement (all searches O(log n) in size-ordered sets):
@@ -32,6 +33,10 @@
 //                     1MB; 0 = one range for all sizes)
 //   wait_for_streams  before creating physical memory beyond the slack, wait for the allocating
 //                     stream's events so that pages it freed recently can move (default True)
+//   max_chunk_mb      the largest physical handle created, in MiB (default 1024; rounded down
+//                     to whole pages; the page size, 2 on the H200, gives one handle per page:
+//                     every page can move alone, but each costs its own cuMemCreate and cuMemMap)
+//                     (Note [Chunks], defrag_grow.cpp)
 //
 // Note [Physical pages and the streams that used them]
 // A page may only be unmapped once the streams that used it finished that work, and a hole
@@ -73,11 +78,14 @@ struct DefragSettings {
   double grow_slack = 0.01;
   std::size_t small_size = 1 * kMiB;  ///< 0 = small requests share the large range
   bool wait_for_streams = true;
+  std::size_t max_chunk_bytes = 1 * kGiB;  ///< largest physical handle; one page = per-page handles
 };
 
 /// What the policy did to the device, beyond the backend's own map/unmap counters.
 struct DefragCounters {
-  std::uint64_t pages_created = 0;   ///< create_physical() calls (one page each)
+  std::uint64_t pages_created = 0;   ///< pages of physical memory created
+  std::uint64_t chunks_created = 0;  ///< create_physical() calls (one chunk of pages each)
+  std::uint64_t chunks_moved = 0;    ///< chunks unmapped from a free hole to be mapped elsewhere
   std::uint64_t pages_released = 0;  ///< pages given back (release_cached, failed growth)
   std::uint64_t pages_mapped = 0;    ///< pages mapped under new blocks
   std::uint64_t pages_moved = 0;     ///< pages unmapped from a free hole to be mapped elsewhere

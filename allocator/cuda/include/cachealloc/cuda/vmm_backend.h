@@ -52,6 +52,7 @@ class CudaVmmBackend final : public CudaRuntimeBackend, private VirtualMemory {
   void do_release_physical(PhysicalHandle handle) noexcept override;
   void do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) override;
   void do_unmap(std::uintptr_t va, std::size_t bytes) override;
+  void do_map_run(std::uintptr_t va, std::span<const MapPiece> pieces) override;
 
   std::size_t granularity_ = 0;
   std::size_t minimum_granularity_ = 0;
