@@ -22,13 +22,14 @@ from setuptools.command.build_py import build_py
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 LIB_NAME = "libcachealloc_plugin.so"
+TORCH_LIB_NAME = "libcachealloc_torch.so"  # the full LibTorch adapter (cachealloc.enable(full=True))
 
 
-def find_built_library():
-    env = os.environ.get("CACHEALLOC_LIBRARY")
+def find_built_library(name=LIB_NAME, env_var="CACHEALLOC_LIBRARY", subdir="plugin"):
+    env = os.environ.get(env_var)
     if env and Path(env).is_file():
         return Path(env)
-    found = [Path(p) for p in glob.glob(str(REPO / "build*" / "allocator" / "plugin" / LIB_NAME))]
+    found = [Path(p) for p in glob.glob(str(REPO / "build*" / "allocator" / subdir / name))]
     found = [p for p in found if p.is_file()]
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
@@ -46,6 +47,10 @@ class BuildPy(build_py):
             '"""Written by setup.py at install time."""\n'
             f"REPO_ROOT = {str(REPO)!r}\n"
         )
+        torch_lib = find_built_library(TORCH_LIB_NAME, "CACHEALLOC_TORCH_LIBRARY", "torch")
+        if torch_lib is not None:
+            shutil.copyfile(torch_lib, pkg / TORCH_LIB_NAME)
+            print(f"cachealloc: bundled {torch_lib}")
         lib = find_built_library()
         if lib is not None:
             shutil.copyfile(lib, pkg / (lib.name if lib.name.startswith("libcachealloc") else LIB_NAME))

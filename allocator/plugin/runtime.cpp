@@ -25,6 +25,18 @@ namespace {
 
 std::atomic<Runtime*> g_runtime{nullptr};
 
+/// Serialises the runtime's creation with configure(); holds what configure() set.
+struct PendingStart {
+  std::mutex mutex;
+  std::optional<std::string> conf_text;  ///< instead of the environment variable
+  RuntimeHooks hooks;
+};
+
+PendingStart& pending_start() {
+  static auto* pending = new PendingStart();  // NOLINT(cppcoreguidelines-owning-memory): leaked like the runtime
+  return *pending;
+}
+
 std::string registered_policy_names() {
   std::string names;
   for (const PolicyInfo& p : registered_policies()) {
@@ -47,6 +59,9 @@ void take_front_end(Config& config, FrontEndSettings& out) {
   }
   if (auto v = config.take_int("record_max_entries", 0, std::int64_t{1} << 40)) {
     out.record_max_entries = static_cast<std::size_t>(*v);
+  }
+  if (auto v = config.take_bool("full")) {
+    out.full = *v;
   }
   if (auto v = config.take_string("log_level")) {
     LogLevel level{};
@@ -204,27 +219,52 @@ std::string out_of_memory_advice(const FrontEndSettings& settings, const std::st
 // Runtime
 
 Runtime& Runtime::get() {
-  static Runtime* const instance = [] {
+  if (Runtime* rt = g_runtime.load(std::memory_order_acquire)) {
+    return *rt;
+  }
+  // A mutex, not a function-local static: a creation that throws (bad CACHEALLOC_CONF) leaves
+  // nothing behind, so that a later call tries again.
+  PendingStart& pending = pending_start();
+  std::lock_guard lock(pending.mutex);
+  if (Runtime* rt = g_runtime.load(std::memory_order_acquire)) {
+    return *rt;
+  }
+  std::string text;
+  FrontEndSettings settings;
+  if (pending.conf_text) {
+    text = *pending.conf_text;
+    settings = validate_config(text);  // checked by configure() already
+  } else {
     const char* env = std::getenv("CACHEALLOC_CONF");
-    std::string text = env != nullptr ? env : "";
-    FrontEndSettings settings;
+    text = env != nullptr ? env : "";
     try {
       settings = validate_config(text);
     } catch (const ConfigError& e) {
       throw ConfigError(std::string(e.what()) + " (from the environment variable CACHEALLOC_CONF)");
     }
-    // Leaked on purpose: see runtime.h.
-    auto* rt = new Runtime(std::move(text), std::move(settings));  // NOLINT(cppcoreguidelines-owning-memory)
-    g_runtime.store(rt, std::memory_order_release);
-    return rt;
-  }();
-  return *instance;
+  }
+  // Leaked on purpose: see runtime.h.
+  auto* rt = new Runtime(std::move(text), std::move(settings), pending.hooks);  // NOLINT(cppcoreguidelines-owning-memory)
+  g_runtime.store(rt, std::memory_order_release);
+  return *rt;
+}
+
+void Runtime::configure(std::string conf_text, RuntimeHooks hooks) {
+  (void)validate_config(conf_text);
+  PendingStart& pending = pending_start();
+  std::lock_guard lock(pending.mutex);
+  if (g_runtime.load(std::memory_order_acquire) != nullptr) {
+    throw UsageError("cachealloc: the allocator runtime of this process already started (with CACHEALLOC_CONF='" +
+                     g_runtime.load()->conf_text() + "'); it cannot be configured again");
+  }
+  pending.conf_text = std::move(conf_text);
+  pending.hooks = std::move(hooks);
 }
 
 Runtime* Runtime::existing() noexcept { return g_runtime.load(std::memory_order_acquire); }
 
-Runtime::Runtime(std::string conf_text, FrontEndSettings settings)
-    : conf_text_(std::move(conf_text)), settings_(std::move(settings)) {
+Runtime::Runtime(std::string conf_text, FrontEndSettings settings, RuntimeHooks hooks)
+    : conf_text_(std::move(conf_text)), settings_(std::move(settings)), hooks_(std::move(hooks)) {
   LogLevel level = LogLevel::warn;
   (void)parse_log_level(settings_.log_level, level);
   set_log_level(level);
@@ -271,7 +311,7 @@ DeviceAllocator& Runtime::allocator(int device) {
   if (DeviceAllocator* a = s.allocator.load(std::memory_order_acquire)) {
     return *a;
   }
-  s.owner = create(device);
+  s.owner = create_allocator(device);
   s.allocator.store(s.owner.get(), std::memory_order_release);
   return *s.owner;
 }
@@ -283,7 +323,8 @@ DeviceAllocator* Runtime::allocator_if_created(int device) const noexcept {
   return slots_[static_cast<std::size_t>(device)].allocator.load(std::memory_order_acquire);
 }
 
-std::unique_ptr<DeviceAllocator> Runtime::create(int device) {
+std::unique_ptr<DeviceAllocator> Runtime::create_allocator(int device) {
+  (void)slot(device);  // a bad index throws
   Config config = Config::parse(conf_text_);
   FrontEndSettings ignored;
   take_front_end(config, ignored);
@@ -297,16 +338,26 @@ std::unique_ptr<DeviceAllocator> Runtime::create(int device) {
   } else {
     backend = make_cuda_backend(settings_.backend_kind, device, config);
   }
+  if (hooks_.wrap_backend && policy->backend != BackendNeed::stream_ordered) {
+    backend = hooks_.wrap_backend(std::move(backend));
+  }
   if (recorder_ && policy->backend != BackendNeed::stream_ordered) {
     backend = std::make_unique<RecordingBackend>(std::move(backend), *recorder_);
   }
   std::unique_ptr<DeviceAllocator> alloc = make_allocator(settings_.policy, std::move(backend), config);
   config.finish("policy " + settings_.policy, valid_keys(*policy));
-  if (recorder_) {
+  if (recorder_ || hooks_.observer) {
     Recorder* rec = recorder_.get();
     DeviceAllocator* raw = alloc.get();
-    alloc->set_observer([rec, raw, device](AllocatorEvent event, std::uintptr_t addr, std::size_t size,
-                                           StreamId stream) {
+    auto hook = hooks_.observer;
+    alloc->set_observer([rec, raw, hook, device](AllocatorEvent event, std::uintptr_t addr, std::size_t size,
+                                                 StreamId stream) {
+      if (hook) {
+        hook(device, event, addr, size, stream);
+      }
+      if (rec == nullptr) {
+        return;
+      }
       std::uint64_t a = addr;
       if (event == AllocatorEvent::oom) {  // PyTorch's oom entry carries the device's free bytes
         try {
@@ -376,26 +427,31 @@ void Runtime::record_stream(void* ptr, StreamId stream) {
   a->record_stream(ptr, stream);
 }
 
-void* Runtime::base_allocation(void* ptr, std::size_t* size) {
+void* find_base_allocation(const DeviceAllocator& allocator, const void* ptr, std::size_t* size) {
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
-  for (int d = 0; d < device_count_; ++d) {
-    DeviceAllocator* a = allocator_if_created(d);
-    if (a == nullptr) {
-      continue;
-    }
-    for (const SegmentView& seg : a->segments()) {
-      if (addr >= seg.address && addr - seg.address < seg.size) {
-        if (size != nullptr) {
-          *size = seg.size;
-        }
-        return reinterpret_cast<void*>(seg.address);
-      }
-    }
-    if (auto info = a->find(ptr)) {  // a policy without visit_segments: the block itself
+  for (const SegmentView& seg : allocator.segments()) {
+    if (addr >= seg.address && addr - seg.address < seg.size) {
       if (size != nullptr) {
-        *size = info->block_size;
+        *size = seg.size;
       }
-      return info->ptr;
+      return reinterpret_cast<void*>(seg.address);
+    }
+  }
+  if (auto info = allocator.find(ptr)) {  // a policy without visit_segments: the block itself
+    if (size != nullptr) {
+      *size = info->block_size;
+    }
+    return info->ptr;
+  }
+  return nullptr;
+}
+
+void* Runtime::base_allocation(void* ptr, std::size_t* size) {
+  for (int d = 0; d < device_count_; ++d) {
+    if (const DeviceAllocator* a = allocator_if_created(d)) {
+      if (void* base = find_base_allocation(*a, ptr, size)) {
+        return base;
+      }
     }
   }
   throw UsageError(unknown_pointer_text(ptr, "getBaseAllocation", -1, settings_.policy));

@@ -34,6 +34,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -51,19 +52,42 @@ struct FrontEndSettings {
   std::optional<std::string> record_path;  ///< `record:PATH`; "%p" becomes the process id
   std::size_t record_max_entries = 0;      ///< 0 = unlimited
   std::string log_level = "warn";
+  /// `full:True`: the Python package installs the LibTorch adapter (libcachealloc_torch.so)
+  /// instead of the pluggable allocator. The runtime itself ignores it.
+  bool full = false;
+};
+
+/// What an embedding front end (the LibTorch adapter) adds to every device allocator the
+/// runtime creates. Both are optional; set them with Runtime::configure() before first use.
+struct RuntimeHooks {
+  /// Wraps the backend of a policy that does not need a stream-ordered backend (the adapter puts
+  /// its CUDA-graph-capture guard there), before the recording adaptor.
+  std::function<std::unique_ptr<DeviceBackend>(std::unique_ptr<DeviceBackend>)> wrap_backend;
+  /// Called, besides the recorder, for every front-end event, under the allocator's lock.
+  std::function<void(int device, AllocatorEvent event, std::uintptr_t addr, std::size_t size,
+                     StreamId stream)>
+      observer;
 };
 
 /// Parses and checks `text` (Note [Config validation]); throws ConfigError. Never touches a device.
 FrontEndSettings validate_config(std::string_view text);
+
+/// The segment holding `ptr` among `allocator`'s (its length in `*size`), or, for a policy that
+/// cannot list segments, the live block itself; nullptr when `ptr` is not in `allocator`.
+void* find_base_allocation(const DeviceAllocator& allocator, const void* ptr, std::size_t* size);
 
 /// Settings that may help after an out-of-memory error under `settings` (for the message).
 std::string out_of_memory_advice(const FrontEndSettings& settings, const std::string& conf_text);
 
 class Runtime {
  public:
-  /// The process's runtime; the first call reads CACHEALLOC_CONF and validates it (throws
+  /// The process's runtime; the first call reads CACHEALLOC_CONF (or what configure() set) and validates it (throws
   /// ConfigError, and a later call tries again). Thread-safe.
   static Runtime& get();
+  /// Makes the runtime, when it is created, use `conf_text` instead of the environment variable
+  /// CACHEALLOC_CONF, and `hooks`. Validates `conf_text` at once (ConfigError) without touching
+  /// a device; throws UsageError once the runtime exists. Thread-safe.
+  static void configure(std::string conf_text, RuntimeHooks hooks);
   /// The runtime if it was created already, else nullptr. Never throws.
   static Runtime* existing() noexcept;
 
@@ -100,6 +124,11 @@ class Runtime {
   [[nodiscard]] bool recording() const noexcept { return recorder_ != nullptr; }
   /// The allocator of `device` if it was created, else nullptr.
   [[nodiscard]] DeviceAllocator* allocator_if_created(int device) const noexcept;
+  /// The allocator of `device`, created on first use. Throws like allocate().
+  [[nodiscard]] DeviceAllocator& allocator(int device);
+  /// A new allocator for `device` with the runtime's policy, backend, recording and hooks, not
+  /// managed by the runtime (the LibTorch adapter's private pools). Throws like allocate().
+  [[nodiscard]] std::unique_ptr<DeviceAllocator> create_allocator(int device);
 
  private:
   struct DeviceSlot {
@@ -110,15 +139,14 @@ class Runtime {
     std::atomic<std::uint64_t> free_ticks{0};
   };
 
-  Runtime(std::string conf_text, FrontEndSettings settings);
+  Runtime(std::string conf_text, FrontEndSettings settings, RuntimeHooks hooks);
 
   DeviceSlot& slot(int device) const;
-  DeviceAllocator& allocator(int device);
-  std::unique_ptr<DeviceAllocator> create(int device);
   DeviceAllocator* owner_of(const void* ptr) const noexcept;
 
   std::string conf_text_;
   FrontEndSettings settings_;
+  RuntimeHooks hooks_;
   int device_count_ = 0;
   std::unique_ptr<DeviceSlot[]> slots_;
   TickClock clock_;

@@ -14,6 +14,15 @@ Two ways to turn it on:
       import torch, cachealloc
       cachealloc.enable("policy:size_class,record:/tmp/trace.pickle")
 
+Two ways to plug in:
+
+* the pluggable allocator (default): ``libcachealloc_plugin.so`` through
+  torch.cuda.memory.CUDAPluggableAllocator (allocate/free and a few hooks);
+* the full adapter, ``full:True`` in the configuration or ``enable(conf, full=True)``:
+  ``libcachealloc_torch.so`` implements PyTorch's whole CUDA allocator interface, so
+  torch.cuda.memory_stats(), memory snapshots, CUDA graphs and torch.cuda.MemPool work unchanged.
+  It must be built against exactly the PyTorch that runs (checked).
+
 Under a pluggable allocator ``torch.cuda.memory_stats()`` and friends raise, so use
 :func:`memory_stats`, :func:`reset_peak_memory_stats`, :func:`empty_cache` and
 :func:`dump_snapshot` from this package (they fall back to PyTorch's own functions when
@@ -33,6 +42,7 @@ from ._lib import LibraryNotFound, find_library  # noqa: F401  (re-exported)
 __all__ = [
     "enable",
     "is_enabled",
+    "is_full",
     "memory_stats",
     "allocator_ns",
     "empty_cache",
@@ -52,6 +62,7 @@ __version__ = "0.1.0"
 _enable_lock = threading.Lock()
 _enabled_conf: Optional[str] = None  # the CACHEALLOC_CONF in force once enabled
 _pluggable: Any = None  # keeps the CUDAPluggableAllocator object alive
+_full = False  # enabled through libcachealloc_torch.so
 
 DeviceLike = Union[None, int, str, Any]
 
@@ -66,6 +77,32 @@ def library_path() -> str:
 def is_enabled() -> bool:
     """True once :func:`enable` made cachealloc PyTorch's CUDA allocator in this process."""
     return _enabled_conf is not None
+
+
+def is_full() -> bool:
+    """True when the full LibTorch adapter (libcachealloc_torch.so) is PyTorch's CUDA allocator."""
+    return _full
+
+
+def _conf_wants_full(conf: str) -> bool:
+    """The `full:` key of a CACHEALLOC_CONF string (the library validates its value)."""
+    depth = 0
+    entry = ""
+    entries = []
+    for ch in conf:
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            entries.append(entry)
+            entry = ""
+        else:
+            entry += ch
+    entries.append(entry)
+    for e in entries:
+        key, _, value = e.partition(":")
+        if key.strip() == "full":
+            return value.strip() in ("True", "true", "1")
+    return False
 
 
 def validate_config(conf: Optional[str] = None) -> None:
@@ -88,7 +125,7 @@ def _cuda_initialized(torch: Any) -> bool:
         return False
 
 
-def enable(conf: Optional[str] = None) -> None:
+def enable(conf: Optional[str] = None, full: Optional[bool] = None) -> None:
     """Makes cachealloc PyTorch's CUDA allocator for this process.
 
     ``conf`` (PYTORCH_CUDA_ALLOC_CONF syntax, e.g. ``"policy:size_class,record:/tmp/t.pickle"``)
@@ -96,10 +133,14 @@ def enable(conf: Optional[str] = None) -> None:
     policy). Must run before CUDA is initialised: PyTorch cannot swap an allocator in use.
     Calling it again with the same (or no) configuration does nothing.
 
-    Raises ValueError for a bad configuration, RuntimeError when CUDA is already initialised or
-    this PyTorch lacks CUDA, LibraryNotFound when the plugin library is missing.
+    ``full=True`` installs the complete LibTorch adapter (libcachealloc_torch.so) instead of the
+    pluggable allocator; ``None`` follows the configuration's ``full:`` key (default False).
+
+    Raises ValueError for a bad configuration, RuntimeError when CUDA is already initialised,
+    this PyTorch lacks CUDA, or (full) the adapter was built for another PyTorch version,
+    LibraryNotFound when the library is missing.
     """
-    global _enabled_conf, _pluggable
+    global _enabled_conf, _pluggable, _full
     with _enable_lock:
         if _enabled_conf is not None:
             if conf is None or conf == _enabled_conf:
@@ -125,6 +166,14 @@ def enable(conf: Optional[str] = None) -> None:
                 "CACHEALLOC_CONF in the environment and let the startup hook installed by "
                 "`pip install ./tools` enable it for you."
             )
+        effective = conf if conf is not None else os.environ.get("CACHEALLOC_CONF", "")
+        if full is None:
+            full = _conf_wants_full(effective)
+        if full:
+            _enable_full(torch, effective)
+            os.environ["CACHEALLOC_CONF"] = effective
+            _enabled_conf, _full = effective, True
+            return
         from . import _lib
 
         if conf is not None:
@@ -158,6 +207,30 @@ def enable(conf: Optional[str] = None) -> None:
         _enabled_conf = os.environ.get("CACHEALLOC_CONF", "")
 
 
+def _enable_full(torch: Any, conf: str) -> None:
+    """Installs libcachealloc_torch.so (cachealloc::torch::install) after checking its version."""
+    import ctypes
+
+    from . import _lib
+
+    lib = _lib.load_torch()
+    built_for = lib.cachealloc_torch_built_for().decode("utf-8")
+    running = str(torch.__version__).split("+", 1)[0]
+    if built_for != running:
+        raise RuntimeError(
+            f"cachealloc: {_lib.loaded_torch_path()} was built against PyTorch {built_for}, but this "
+            f"process runs PyTorch {torch.__version__}. The full adapter implements PyTorch's C++ "
+            "allocator interface, which changes between releases: rebuild cachealloc against this "
+            "PyTorch, or drop full:True to use the pluggable allocator."
+        )
+    err = ctypes.create_string_buffer(8192)
+    if lib.cachealloc_torch_install(conf.encode("utf-8"), err, len(err)) != 0:
+        message = err.value.decode("utf-8", "replace")
+        if "already" in message:
+            raise RuntimeError(message)
+        raise ValueError(message)
+
+
 def _device_index(device: DeviceLike) -> int:
     if device is None:
         try:
@@ -188,10 +261,13 @@ def memory_stats(device: DeviceLike = None) -> dict[str, int]:
     ``num_device_free``, ``num_sync_all_streams``, ``allocator_ns`` (time inside the allocator's
     alloc and free, with ``alloc_ns`` and ``free_ns``), ... Without cachealloc: PyTorch's own.
     """
-    if not is_enabled():
+    if not is_enabled() or _full:
         import torch
 
-        return dict(torch.cuda.memory_stats(device))
+        stats = dict(torch.cuda.memory_stats(device))
+        if _full:
+            stats["allocator_ns"] = allocator_ns(device)
+        return stats
     from . import _lib
 
     lib = _lib.load()
@@ -202,6 +278,8 @@ def allocator_ns(device: DeviceLike = None) -> int:
     """Nanoseconds spent inside cachealloc's alloc and free (0 when timing is off)."""
     from . import _lib
 
+    if _full:
+        return int(_lib.load_torch().cachealloc_torch_allocator_ns(_device_index(device)))
     return int(_lib.load().cachealloc_allocator_ns(_device_index(device)))
 
 
@@ -214,7 +292,7 @@ def _check(rc: int) -> None:
 
 def empty_cache() -> None:
     """Returns cached, wholly free memory to the device (torch.cuda.empty_cache())."""
-    if not is_enabled():
+    if not is_enabled() or _full:
         import torch
 
         torch.cuda.empty_cache()
@@ -226,10 +304,14 @@ def empty_cache() -> None:
 
 def reset_peak_memory_stats(device: DeviceLike = None) -> None:
     """Peak statistics := current values (``device=None``: every device under cachealloc)."""
-    if not is_enabled():
+    if not is_enabled() or _full:
         import torch
 
-        torch.cuda.reset_peak_memory_stats(device)
+        if device is None and _full:
+            for d in range(torch.cuda.device_count()):
+                torch.cuda.reset_peak_memory_stats(d)
+        else:
+            torch.cuda.reset_peak_memory_stats(device)
         return
     from . import _lib
 
@@ -238,10 +320,14 @@ def reset_peak_memory_stats(device: DeviceLike = None) -> None:
 
 def reset_accumulated_memory_stats(device: DeviceLike = None) -> None:
     """Cumulative statistics (and allocator_ns) := 0."""
-    if not is_enabled():
+    if not is_enabled() or _full:
         import torch
 
-        torch.cuda.reset_accumulated_memory_stats(device)
+        if device is None and _full:
+            for d in range(torch.cuda.device_count()):
+                torch.cuda.reset_accumulated_memory_stats(d)
+        else:
+            torch.cuda.reset_accumulated_memory_stats(device)
         return
     from . import _lib
 
@@ -256,7 +342,7 @@ def dump_snapshot(path: Union[str, os.PathLike]) -> None:
     out.html`` or replay it with ``cachealloc-replay``. Without cachealloc this calls
     torch.cuda.memory._dump_snapshot(path).
     """
-    if not is_enabled():
+    if not is_enabled() or _full:
         import torch
 
         torch.cuda.memory._dump_snapshot(str(path))
@@ -287,7 +373,11 @@ def policy_name() -> str:
 
 
 def check_invariants(device: DeviceLike = None) -> None:
-    """Runs the allocator's internal consistency checks; raises RuntimeError on a violation."""
+    """Runs the allocator's internal consistency checks; raises RuntimeError on a violation.
+
+    Not available with the full adapter (it does nothing there)."""
+    if _full:
+        return
     from . import _lib
 
     _check(_lib.load().cachealloc_check_invariants(-1 if device is None else _device_index(device)))

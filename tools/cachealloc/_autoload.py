@@ -59,7 +59,7 @@ def _on_torch_imported(torch: Any) -> None:
         status = f"failed: {e}"
         _note(f"CACHEALLOC_CONF={os.environ.get('CACHEALLOC_CONF', '')!r} is set but cachealloc could not be enabled: {e}")
         raise
-    status = "enabled"
+    status = "enabled (full adapter)" if cachealloc.is_full() else "enabled"
 
 
 class _TorchImportHook(importlib.abc.MetaPathFinder):

@@ -7,6 +7,9 @@ Search order for the library (first hit wins):
 2. next to this package: the copy ``pip install ./tools`` bundled from the build tree.
 3. the build tree of the repository the package was installed from (recorded at install time in
    ``_build_info.py``) or, when running from a checkout, ``<repo>/build*/allocator/plugin/``.
+
+The LibTorch adapter ``libcachealloc_torch.so`` (``cachealloc.enable(full=True)``) is found the
+same way: ``CACHEALLOC_TORCH_LIBRARY``, next to this package, ``<repo>/build*/allocator/torch/``.
 """
 
 from __future__ import annotations
@@ -21,10 +24,13 @@ from typing import Any, Optional
 
 PLUGIN_NAME = "libcachealloc_plugin.so"
 CAPI_NAME = "libcachealloc_capi.so"
+TORCH_NAME = "libcachealloc_torch.so"
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _lib_path: Optional[str] = None
+_torch_lib: Optional[ctypes.CDLL] = None
+_torch_lib_path: Optional[str] = None
 
 
 class LibraryNotFound(RuntimeError):
@@ -46,17 +52,17 @@ def _repo_roots() -> list[Path]:
     return roots
 
 
-def candidate_paths() -> list[Path]:
-    """Every place searched, in order (the env variable first)."""
+def candidate_paths(name: str = PLUGIN_NAME, env_var: str = "CACHEALLOC_LIBRARY", subdir: str = "plugin") -> list[Path]:
+    """Every place searched for `name`, in order (the env variable first)."""
     out: list[Path] = []
-    env = os.environ.get("CACHEALLOC_LIBRARY")
+    env = os.environ.get(env_var)
     if env:
         out.append(Path(env))
     here = Path(__file__).resolve().parent
-    out.append(here / PLUGIN_NAME)
+    out.append(here / name)
     for root in _repo_roots():
-        out.append(root / "build" / "allocator" / "plugin" / PLUGIN_NAME)
-        for other in sorted(glob.glob(str(root / "build*" / "allocator" / "plugin" / PLUGIN_NAME))):
+        out.append(root / "build" / "allocator" / subdir / name)
+        for other in sorted(glob.glob(str(root / "build*" / "allocator" / subdir / name))):
             out.append(Path(other))
     seen = set()
     unique = []
@@ -69,19 +75,54 @@ def candidate_paths() -> list[Path]:
 
 def find_library() -> str:
     """The path of the library that would be loaded. Raises LibraryNotFound."""
-    env = os.environ.get("CACHEALLOC_LIBRARY")
+    return _find(PLUGIN_NAME, "CACHEALLOC_LIBRARY", "plugin")
+
+
+def find_torch_library() -> str:
+    """The path of libcachealloc_torch.so (the LibTorch adapter). Raises LibraryNotFound."""
+    return _find(TORCH_NAME, "CACHEALLOC_TORCH_LIBRARY", "torch")
+
+
+def _find(name: str, env_var: str, subdir: str) -> str:
+    env = os.environ.get(env_var)
     if env and not Path(env).is_file():
-        raise LibraryNotFound(f"CACHEALLOC_LIBRARY={env!r} does not name a file")
-    for p in candidate_paths():
+        raise LibraryNotFound(f"{env_var}={env!r} does not name a file")
+    for p in candidate_paths(name, env_var, subdir):
         if p.is_file():
             return str(p.resolve())
-    looked = "\n  ".join(str(p) for p in candidate_paths())
+    looked = "\n  ".join(str(p) for p in candidate_paths(name, env_var, subdir))
     raise LibraryNotFound(
-        "cachealloc: libcachealloc_plugin.so not found. Build it (cmake with "
+        f"cachealloc: {name} not found. Build it (cmake with "
         "-DCMAKE_PREFIX_PATH=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')) "
         "and reinstall the package (pip install --no-build-isolation ./tools), or set "
-        f"CACHEALLOC_LIBRARY to its path. Looked in:\n  {looked}"
+        f"{env_var} to its path. Looked in:\n  {looked}"
     )
+
+
+def load_torch() -> ctypes.CDLL:
+    """Loads libcachealloc_torch.so once per process (after `import torch`: it needs libc10)."""
+    global _torch_lib, _torch_lib_path
+    with _lock:
+        if _torch_lib is None:
+            path = find_torch_library()
+            lib = ctypes.CDLL(path)
+            c = ctypes
+            lib.cachealloc_torch_install.restype = c.c_int
+            lib.cachealloc_torch_install.argtypes = [c.c_char_p, c.c_char_p, c.c_size_t]
+            lib.cachealloc_torch_is_installed.restype = c.c_int
+            lib.cachealloc_torch_is_installed.argtypes = []
+            lib.cachealloc_torch_built_for.restype = c.c_char_p
+            lib.cachealloc_torch_built_for.argtypes = []
+            lib.cachealloc_torch_version.restype = c.c_char_p
+            lib.cachealloc_torch_version.argtypes = []
+            lib.cachealloc_torch_allocator_ns.restype = c.c_uint64
+            lib.cachealloc_torch_allocator_ns.argtypes = [c.c_int]
+            _torch_lib, _torch_lib_path = lib, path
+        return _torch_lib
+
+
+def loaded_torch_path() -> Optional[str]:
+    return _torch_lib_path
 
 
 def _declare(lib: ctypes.CDLL) -> None:
