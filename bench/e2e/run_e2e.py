@@ -61,12 +61,12 @@ What is measured, the same way for every configuration, in the run's process:
                        raises under the pluggable allocator (shown as –).
 
 Steps (Note [Steps and warm-up]): defaults per workload, --steps/--warmup N override all.
-  gpt2      warm-up 3, 10 measured (~170 ms a step on an H200). Shapes change every step, so
+  gpt2      warm-up 3, 8 measured (~170 ms a step on an H200). Shapes change every step, so
             there is no steady state by design; the warm-up covers the one-time costs (cuBLAS and
             attention kernel selection, lazy kernel loading, AdamW state on the first step).
-  resnet50  warm-up 5, 30 measured (~20 ms). Fixed shapes: every allocator is in steady state
+  resnet50  warm-up 4, 20 measured (~20 ms). Fixed shapes: every allocator is in steady state
             after the first two steps (cuDNN workspaces and momentum buffers exist).
-  pipeline  warm-up 5, 30 measured (~10-20 ms). Batch size changes every step; the warm-up
+  pipeline  warm-up 4, 20 measured (~10-20 ms). Batch size changes every step; the warm-up
             covers the side stream's first record_stream hand-overs.
 
 --time-budget-s B: after the first round the harness prints the estimate for all --reps rounds;
@@ -103,7 +103,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 TOOLS = REPO / "tools"
 DEFAULT_WORKLOADS = ("gpt2", "resnet50", "pipeline")
-STEP_DEFAULTS = {"gpt2": (3, 10), "resnet50": (5, 30), "pipeline": (5, 30)}  # (warm-up, measured)
+STEP_DEFAULTS = {"gpt2": (3, 8), "resnet50": (4, 20), "pipeline": (4, 20)}  # (warm-up, measured)
 BUILTIN_CONFIGS = {
     "native": {},
     "expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
@@ -902,9 +902,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="comma-separated: native, expandable, async, cachealloc:<policy>, cachealloc-full:<policy> "
                         "(default: the first three and cachealloc:<p> for every registered policy)")
     p.add_argument("--steps", type=int, default=None,
-                   help="measured steps per run, every workload (default per workload: gpt2 10, resnet50 30, pipeline 30)")
+                   help="measured steps per run, every workload (default per workload: gpt2 8, resnet50 20, pipeline 20)")
     p.add_argument("--warmup", type=int, default=None,
-                   help="warm-up steps per run, not measured (default per workload: gpt2 3, resnet50 5, pipeline 5)")
+                   help="warm-up steps per run, not measured (default per workload: gpt2 3, resnet50 4, pipeline 4)")
     p.add_argument("--min-steps", type=int, default=5, help="--time-budget-s never shrinks measured steps below this")
     p.add_argument("--reps", type=int, default=5, help="interleaved repetitions of every configuration (default 5)")
     p.add_argument("--seed", type=int, default=0)
