@@ -1,49 +1,204 @@
 #!/usr/bin/env bash
-# gpu_session.sh: everything that needs the GPU, in one run on the H200 device machine.
-#   tools/gpu_session.sh [suite|reliability|e2e|all]   (logs and results under $OUT)
-# Binaries come prebuilt in gpu-bundle/ (built on the CPU machine with the same PyTorch 2.11
-# and CUDA 13 as the device: tools/make_gpu_bundle.sh), so no device time goes to compiling.
+# gpu_session.sh: everything that needs the GPU, as two stages of one device session. Each stage
+# fits one device call of at most 9.5 minutes and never loses its logs.
+#
+#   bash tools/gpu_session.sh gpu   # GPU suite + memcheck, pytest tools/tests (plugin, async stats),
+#                                   # OOM recovery per policy, recording -> memory_viz -> replay,
+#                                   # racecheck, micro benchmarks + GPU replays (issue 8),
+#                                   # then the file named by EXTRA_GPU_STEPS, if any   (~6-8 min)
+#   bash tools/gpu_session.sh e2e   # bench/e2e/run_e2e.py, 5 interleaved repetitions (~8-9 min)
+#
+# Device calls (binaries prebuilt here by tools/make_gpu_bundle.sh, carried; no device time goes
+# to compiling):
+#   run(command="bash tools/gpu_session.sh gpu", carry=["gpu-bundle"], timeout_s=590)
+#   run(command="bash tools/gpu_session.sh e2e", carry=["gpu-bundle"], timeout_s=590)
+#
+# Time: the stage ends by STAGE_BUDGET_S seconds (default 555) after it starts. Every step runs
+# under `timeout`, capped at what is left of the budget minus a reserve for packing the logs; a
+# step with less than 20 s left is skipped and says so. Steps run in order of importance.
+#
+# Output, all under $OUT (the device returns at most 8 files, no deeper than two folders):
+#   summary.txt            one line per step: name, exit code, seconds, key figure
+#   <stage>_logs.tar.gz    every log of the stage, re-packed after each step (so a call cut
+#                          short still returns everything up to the last finished step)
+#   gpu_bench.md           (gpu) micro benchmark medians, RATIO lines, replay tables
+#   pytest.log             (gpu) the pytest run, whole
+#   e2e_<date>.md / .json  (e2e) the end-to-end tables and every run, rewritten after each run
+#
+# EXTRA_GPU_STEPS=path/to/file (relative to the repository root) is sourced last in the gpu
+# stage, under the remaining budget. It may call `step NAME CAP_S FIGURE FUNCTION` itself (define
+# FUNCTION and `export -f` it; FIGURE is a shell snippet that reads the step's log as "$L"), or
+# run commands directly (their output lands in extra_gpu_steps.log).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
-what=${1:-all}
-B=$PWD/gpu-bundle
-TORCH_LIB=$(python3 -c 'import torch,os;print(os.path.join(os.path.dirname(torch.__file__),"lib"))')
-export LD_LIBRARY_PATH=$TORCH_LIB:$B:${LD_LIBRARY_PATH:-}
-export CACHEALLOC_LIBRARY=$B/libcachealloc_plugin.so
+cd "$(dirname "$0")/.." || exit 2
+stage=${1:-}
+case $stage in gpu | e2e) ;; *) echo "usage: $0 gpu|e2e" >&2; exit 2 ;; esac
+
+export OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+T0=$(date +%s)
+export T0 BUDGET=${STAGE_BUDGET_S:-555} RESERVE=15
+export WORK
+WORK=$(mktemp -d "/tmp/gpu_session_${stage}.XXXXXX")
+export SUMMARY=$OUT/summary.txt STAGE=$stage
+export B=$PWD/gpu-bundle
 export PYTHONUNBUFFERED=1
-{ date -u; nvidia-smi -L; python3 -c 'import torch;print("torch", torch.__version__, torch.version.cuda)'; } | tee "$OUT/env.txt"
-python3 -m pip install -q --no-deps --no-build-isolation --no-index ./tools >"$OUT/pip.log" 2>&1 \
-  && echo "pip install ./tools: ok" || { echo "pip install ./tools FAILED"; tail -5 "$OUT/pip.log"; }
-if [[ $what == suite || $what == all ]]; then
-  OUT=$OUT bash tests/gpu/run_on_h200.sh "$B/cachealloc_gpu_tests"
-  echo "gpu suite + memcheck: exit $?"
-  timeout 300 python3 -m pytest -v -rs tools/tests 2>&1 | tee "$OUT/pytest.log" | tail -40
-fi
-if [[ $what == reliability || $what == all ]]; then
-  # compute-sanitizer racecheck and memcheck on the GPU suite (every policy runs in every test).
-  for tool in racecheck memcheck; do
-    CACHEALLOC_GPU_STRESS_OPS=200 CACHEALLOC_GPU_STRESS_MAX_MB=8 timeout 240 compute-sanitizer --tool $tool \
-      --error-exitcode 1 --report-api-errors no "$B/cachealloc_gpu_tests" "~[oom]" >"$OUT/$tool.log" 2>&1
-    echo "compute-sanitizer $tool: exit $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool.log" | tail -1)"
-    grep -E "test cases" "$OUT/$tool.log" | tail -1
+export CACHEALLOC_LIBRARY=$B/libcachealloc_plugin.so
+TORCH_LIB=$(python3 -c 'import torch,os;print(os.path.join(os.path.dirname(torch.__file__),"lib"))' 2>/dev/null)
+export LD_LIBRARY_PATH=$B${TORCH_LIB:+:$TORCH_LIB}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+SAN=$(command -v compute-sanitizer || { [ -x /usr/local/cuda/bin/compute-sanitizer ] && echo /usr/local/cuda/bin/compute-sanitizer; })
+export SAN
+: >"$SUMMARY"
+
+# Packs every log of the stage (files under 12 MiB) into $OUT, replacing the previous pack.
+pack() {
+  (cd "$WORK" && find . -type f -size -12M -print0 | tar --null -czf "$OUT/.${STAGE}_logs.tar.gz" -T - 2>/dev/null) &&
+    mv -f "$OUT/.${STAGE}_logs.tar.gz" "$OUT/${STAGE}_logs.tar.gz"
+}
+
+# step NAME CAP_S FIGURE FUNCTION: runs FUNCTION (exported) under timeout, its output in
+# $WORK/NAME.log, then appends "NAME exit RC SECONDS FIGURE" to summary.txt and re-packs the logs.
+step() {
+  local name=$1 cap=$2 figure=$3 fn=$4
+  local left=$((BUDGET - RESERVE - ($(date +%s) - T0)))
+  if ((left < 20)); then
+    printf '%-24s skipped: %ss left of the %ss stage budget\n' "$name" "$left" "$BUDGET" | tee -a "$SUMMARY"
+    return 0
+  fi
+  local t=$((cap < left ? cap : left)) start rc fig
+  start=$(date +%s)
+  export L=$WORK/$name.log
+  echo "== $name (timeout ${t}s)"
+  timeout -k 10 "$t" bash -c "$fn" >"$L" 2>&1
+  rc=$?
+  [[ $rc -eq 124 || $rc -eq 137 ]] && echo "TIMED OUT after ${t}s" >>"$L"
+  fig=$(eval "$figure" 2>/dev/null | tr '\n' ' ' | tr -s ' ' | cut -c1-240)
+  printf '%-24s exit %-3s %4ss  %s\n' "$name" "$rc" "$(($(date +%s) - start))" "$fig" | tee -a "$SUMMARY"
+  pack
+  return 0
+}
+export -f step pack
+
+# ---- steps ---------------------------------------------------------------------------------
+
+setup() {
+  date -u
+  nvidia-smi -L
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
+  command -v python3
+  python3 -c 'import torch;print("torch", torch.__version__, "CUDA", torch.version.cuda, torch.cuda.get_device_name(0))'
+  git rev-parse --short HEAD 2>/dev/null || true
+  echo "compute-sanitizer: ${SAN:-missing}"
+  ls -la "$B"
+  local bad=0
+  for f in "$B"/*; do
+    [[ -f $f && -x $f ]] || continue
+    if ldd "$f" 2>/dev/null | grep -q "not found"; then
+      echo "MISSING LIBRARIES for $f:"; ldd "$f" | grep "not found"; bad=1
+    fi
   done
-  # Out-of-memory on purpose in a training loop, for PyTorch's allocator and each policy.
-  for conf in "" policy:native policy:size_class policy:defrag; do
-    CACHEALLOC_CONF=$conf timeout 120 python3 tools/scripts/oom_recovery.py 2>>"$OUT/oom_recovery.err" \
-      | tee -a "$OUT/oom_recovery.jsonl"
-    echo "oom_recovery ${conf:-pytorch-native}: exit ${PIPESTATUS[0]}"
+  if [[ $STAGE == gpu ]]; then
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index ./tools && echo "pip install ./tools: ok"
+  fi
+  PYTHONPATH=tools python3 -c 'import cachealloc; print("policies:", " ".join(p["name"] for p in cachealloc.policies() if not p.get("replay_only")))'
+  return $bad
+}
+
+gpu_suite_memcheck() {
+  # The Catch2 GPU suite (every registered policy, async included, over its real backend), then
+  # the same suite under compute-sanitizer memcheck: tests/gpu/run_on_h200.sh writes its own
+  # summary.txt, so it gets a folder of its own.
+  OUT=$WORK/gpu_suite bash tests/gpu/run_on_h200.sh "$B/cachealloc_gpu_tests"
+  local rc=$?
+  cat "$WORK/gpu_suite/summary.txt"
+  return $rc
+}
+
+pytest_tools() {
+  # Plugin tests, async stats vs pool attributes (issue 6), CPU-side tests: a fresh process per check.
+  python3 -m pytest -v -rs -p no:cacheprovider tools/tests 2>&1 | tee "$OUT/pytest.log"
+}
+
+oom_recovery() {
+  # Out-of-memory on purpose in a training loop: PyTorch's own allocator (CACHEALLOC_CONF unset),
+  # then every registered policy. One JSON line each; exit 0 only if every one recovered.
+  local policies rc=0 r
+  policies=$(python3 -c 'import cachealloc; print(" ".join(p["name"] for p in cachealloc.policies() if not p.get("replay_only")))' 2>/dev/null)
+  [[ -n $policies ]] || policies="native size_class defrag async"
+  env -u CACHEALLOC_CONF -u PYTORCH_CUDA_ALLOC_CONF timeout 60 python3 tools/scripts/oom_recovery.py
+  r=$?; echo "oom_recovery pytorch-native: exit $r"; ((r == 0)) || rc=1
+  for p in $policies; do
+    CACHEALLOC_CONF=policy:$p timeout 60 python3 tools/scripts/oom_recovery.py
+    r=$?; echo "oom_recovery policy:$p: exit $r"; ((r == 0)) || rc=1
   done
+  return $rc
+}
+
+recording() {
   # A recording of a real run opens with PyTorch's memory_viz and replays with cachealloc-replay.
-  CACHEALLOC_CONF=policy:size_class,record:$OUT/recording_size_class.pickle timeout 120 \
-    python3 tools/scripts/train_example.py --steps 100 --hidden 2048 --batch 512 >"$OUT/recording_train.log" 2>&1
-  echo "recorded training: exit $? ($(stat -c %s "$OUT/recording_size_class.pickle" 2>/dev/null) bytes)"
-  timeout 120 python3 -m torch.cuda._memory_viz trace_plot "$OUT/recording_size_class.pickle" \
-    -o "$OUT/recording_trace_plot.html" >"$OUT/memory_viz.log" 2>&1
-  echo "memory_viz trace_plot: exit $? ($(stat -c %s "$OUT/recording_trace_plot.html" 2>/dev/null) bytes)"
-  timeout 120 "$B/cachealloc-replay" "$OUT/recording_size_class.pickle" -q 2>&1 | tee "$OUT/recording_replay.txt"
+  local rec=$WORK/recording_size_class.pickle rc=0
+  CACHEALLOC_CONF=policy:size_class,record:$rec timeout 90 \
+    python3 tools/scripts/train_example.py --steps 100 --hidden 2048 --batch 512 || rc=1
+  echo "recording: $(stat -c %s "$rec" 2>/dev/null || echo 0) bytes"
+  timeout 90 python3 -m torch.cuda._memory_viz trace_plot "$rec" -o "$WORK/recording_trace_plot.html" || rc=1
+  echo "trace_plot: $(stat -c %s "$WORK/recording_trace_plot.html" 2>/dev/null || echo 0) bytes"
+  timeout 90 "$B/cachealloc-replay" "$rec" -q || rc=1
+  return $rc
+}
+
+racecheck() {
+  # compute-sanitizer racecheck on the GPU suite (every policy in every test case), smaller stress.
+  [[ -n $SAN ]] || { echo "compute-sanitizer not found"; return 3; }
+  CACHEALLOC_GPU_STRESS_OPS=200 CACHEALLOC_GPU_STRESS_MAX_MB=8 "$SAN" --tool racecheck --error-exitcode 1 \
+    --report-api-errors no "$B/cachealloc_gpu_tests" "~[oom]"
+}
+
+gpu_bench() {
+  # Issue 8: cachealloc-micro-cuda (RATIO lines: torch native / our fastest policy), the bundled
+  # traces replayed on the GPU, the simulated-backend micro benchmarks. ~2-3 minutes.
+  BUNDLE=$B OUT=$WORK/gpu_bench bash bench/run_gpu_bench.sh
+  local rc=$?
+  cp -f "$WORK/gpu_bench/gpu_bench.md" "$OUT/gpu_bench.md" 2>/dev/null
+  return $rc
+}
+
+extra_gpu_steps() {
+  # shellcheck disable=SC1090
+  source "$EXTRA_GPU_STEPS"
+}
+
+e2e() {
+  # Issue 4: 3 workloads x 7 configurations x 5 interleaved repetitions, a fresh CUDA process per
+  # run (fork server). It fits its steps to the time left; results are rewritten after every run.
+  local left=$((BUDGET - RESERVE - ($(date +%s) - T0)))
+  python3 bench/e2e/run_e2e.py --out-dir "$OUT" --reps "${E2E_REPS:-5}" --time-budget-s $((left - 20)) ${E2E_ARGS:-}
+}
+export -f setup gpu_suite_memcheck pytest_tools oom_recovery recording racecheck gpu_bench extra_gpu_steps e2e
+
+# ---- the stages ----------------------------------------------------------------------------
+
+echo "gpu_session $stage: budget ${BUDGET}s, logs in $WORK -> $OUT/${stage}_logs.tar.gz"
+step setup 90 'grep -E "^torch|NVIDIA|MISSING|pip install" "$L" | head -4' setup
+if [[ $stage == gpu ]]; then
+  step gpu_suite_memcheck 280 'grep -E "^gpu_suite:|^memcheck:|All tests passed|failed|ERROR SUMMARY" "$L" | head -5' gpu_suite_memcheck
+  step pytest 240 'tail -1 "$OUT/pytest.log"; grep -cE " (FAILED|ERROR) " "$OUT/pytest.log" | sed "s/^/failed+errors: /"' pytest_tools
+  step oom_recovery 200 'grep -c "\"ok\": true" "$L" | sed "s/$/ recovered/"; grep -E "exit [1-9]" "$L"' oom_recovery
+  step recording 200 'grep -E "^recording:|^trace_plot:|fidelity" "$L"' recording
+  step racecheck 200 'grep -E "RACECHECK SUMMARY|All tests passed|test cases" "$L" | tail -2' racecheck
+  step gpu_bench 330 'grep -c "^RATIO" "$OUT/gpu_bench.md" | sed "s/$/ RATIO lines/"; grep -E "^total:" "$OUT/gpu_bench.md"' gpu_bench
+  if [[ -n ${EXTRA_GPU_STEPS:-} ]]; then
+    if [[ -f $EXTRA_GPU_STEPS ]]; then
+      export EXTRA_GPU_STEPS
+      step extra_gpu_steps 600 'tail -2 "$L"' extra_gpu_steps
+    else
+      echo "extra_gpu_steps          skipped: EXTRA_GPU_STEPS=$EXTRA_GPU_STEPS is not a file" | tee -a "$SUMMARY"
+    fi
+  fi
+else
+  step e2e 600 'grep -E "^run_e2e: (round 1|measured steps|[0-9]+ runs)" "$L"; grep -c FAILED "$L" | sed "s/$/ failed runs/"' e2e
+  tail -40 "$WORK/e2e.log"
 fi
-if [[ $what == e2e || $what == all ]]; then
-  timeout 560 python3 bench/e2e/run_e2e.py --out-dir "$OUT" --time-budget-s ${E2E_BUDGET:-480} ${E2E_ARGS:-} \
-    2>&1 | tee "$OUT/e2e.log" | tail -60
-fi
+echo "total: $(($(date +%s) - T0))s of ${BUDGET}s" | tee -a "$SUMMARY"
+pack
+echo "== summary.txt"
+cat "$SUMMARY"

@@ -1,16 +1,44 @@
 #!/usr/bin/env bash
-# make_gpu_bundle.sh: builds (with LibTorch and CUDA) and gathers the binaries that
-# tools/gpu_session.sh runs on the GPU machine into gpu-bundle/ (git-ignored, carried to the device).
+# make_gpu_bundle.sh: builds (with LibTorch and CUDA) and gathers what tools/gpu_session.sh runs on
+# the GPU machine into gpu-bundle/ (git-ignored; carried to the device with carry: ["gpu-bundle"]).
+#
+#   BUILD=build-gpu JOBS=2 bash tools/make_gpu_bundle.sh
+#
+# Gathers: cachealloc_gpu_tests, libcachealloc_plugin.so, libcachealloc_capi.so,
+# cachealloc-replay, cachealloc-micro, cachealloc-micro-cuda, the LibTorch adapter
+# (libcachealloc_torch.so, its tests, the sample app), the e2e call timer (libcuda_call_timer.so),
+# and the shared libraries they link
+# that the device image lacks (Google Benchmark's libbenchmark.so.*, found with ldd). Files are
+# staged first and then copied over their namesakes: anything else in gpu-bundle/ (the lead's
+# or another engineer's files, e.g. the LibTorch adapter) stays. Build with the same PyTorch
+# (2.11, CUDA 13) as the device, so that the plugin links the same libtorch/libc10.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build-gpu}
+JOBS=${JOBS:-$(nproc)}
+TARGETS=(cachealloc_gpu_tests cachealloc_plugin cachealloc_capi cachealloc-replay cachealloc-micro cachealloc-micro-cuda
+         cachealloc_torch cachealloc_torch_tests cachealloc_libtorch_app cuda_call_timer)
 prefix=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_CUDA_ARCHITECTURES=90 >/dev/null
-cmake --build "$BUILD" -j"$(nproc)" --target cachealloc_gpu_tests cachealloc_plugin cachealloc_capi cachealloc-replay cachealloc-micro \
-  cachealloc_torch cachealloc_torch_tests cachealloc_libtorch_app
-rm -rf gpu-bundle && mkdir -p gpu-bundle
-cp "$BUILD"/tests/gpu/cachealloc_gpu_tests "$BUILD"/allocator/plugin/libcachealloc_plugin.so "$BUILD"/allocator/plugin/libcachealloc_capi.so \
-   "$BUILD"/bench/replay/cachealloc-replay "$BUILD"/bench/micro/cachealloc-micro \
-   "$BUILD"/allocator/torch/libcachealloc_torch.so "$BUILD"/allocator/torch/cachealloc_torch_tests \
-   "$BUILD"/bench/libtorch_app/cachealloc_libtorch_app gpu-bundle/
+cmake --build "$BUILD" -j"$JOBS" --target "${TARGETS[@]}"
+
+stage=$(mktemp -d "${TMPDIR:-/tmp}/gpu-bundle-stage.XXXXXX")
+trap 'rm -rf "$stage"' EXIT
+for f in tests/gpu/cachealloc_gpu_tests allocator/plugin/libcachealloc_plugin.so allocator/plugin/libcachealloc_capi.so \
+         bench/replay/cachealloc-replay bench/micro/cachealloc-micro bench/micro/cachealloc-micro-cuda \
+         allocator/torch/libcachealloc_torch.so allocator/torch/cachealloc_torch_tests \
+         bench/libtorch_app/cachealloc_libtorch_app bench/libcuda_call_timer.so; do
+  [[ -f $BUILD/$f ]] || { echo "make_gpu_bundle: $BUILD/$f was not built" >&2; exit 1; }
+  cp -f "$BUILD/$f" "$stage/"
+done
+# Shared libraries the device image does not have: Google Benchmark (libbenchmark.so.1debian on
+# Debian/Ubuntu), copied under the name the binaries ask for (the soname), symlinks resolved.
+for bin in "$stage"/cachealloc-micro "$stage"/cachealloc-micro-cuda "$stage"/cachealloc-replay "$stage"/cachealloc_gpu_tests; do
+  ldd "$bin" | awk '$2 == "=>" && $1 ~ /^libbenchmark/ {print $1, $3}' | while read -r soname path; do
+    cp -fL "$path" "$stage/$soname"
+  done
+done
+mkdir -p gpu-bundle
+cp -f "$stage"/* gpu-bundle/
 ls -la gpu-bundle
+du -sh gpu-bundle

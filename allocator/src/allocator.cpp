@@ -87,6 +87,14 @@ std::map<std::string, std::int64_t> Stats::to_map() const {
   m["alloc_calls"] = static_cast<std::int64_t>(alloc_calls);
   m["free_calls"] = static_cast<std::int64_t>(free_calls);
   m["allocator_ns"] = static_cast<std::int64_t>(alloc_ns + free_ns);
+  if (pool) {
+    m["pool.reserved_mem_current"] = static_cast<std::int64_t>(pool->reserved_mem_current);
+    m["pool.reserved_mem_high"] = static_cast<std::int64_t>(pool->reserved_mem_high);
+    m["pool.used_mem_current"] = static_cast<std::int64_t>(pool->used_mem_current);
+    m["pool.used_mem_high"] = static_cast<std::int64_t>(pool->used_mem_high);
+    m["pool.front_cache_bytes"] = static_cast<std::int64_t>(pool->front_cache_bytes);
+    m["pool.calls"] = static_cast<std::int64_t>(pool->pool_calls);
+  }
   return m;
 }
 

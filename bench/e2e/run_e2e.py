@@ -1,37 +1,81 @@
 #!/usr/bin/env python3
 """run_e2e.py: PyTorch's allocators against cachealloc's policies, on real training workloads.
 
-Every (workload, configuration, repetition) runs in a FRESH Python process, so each starts from
-an untouched device and allocator. Repetitions are interleaved (A B C ... A B C ...), so slow
-drift of the machine (clocks, temperature, other tenants) spreads over every configuration.
+Every (workload, configuration, repetition) runs in a FRESH CUDA process, so each starts from an
+untouched device and allocator. Repetitions are interleaved (A B C ... A B C ...), so slow drift
+of the machine (clocks, temperature, other tenants) spreads over every configuration.
+
+Fresh processes, cheaply (Note [Fork server]): one long-lived "zygote" process per configuration
+imports torch, torchvision and the workloads with that configuration's environment and never
+touches CUDA; each run is a child os.fork()ed from it, which initialises CUDA itself (so it is a
+fresh CUDA process), enables cachealloc when asked, checks that the intended allocator is the one
+in use, runs the workload and exits. A run then costs CUDA initialisation plus the workload
+instead of ~10 s of Python and library start-up. --no-fork runs every run as a new interpreter
+(the old behaviour); a configuration whose zygote is not fork-safe falls back to that by itself.
+
+Note [Fork server]
+PyTorch 2.11 picks its CUDA allocator backend when libc10_cuda is loaded, i.e. at `import torch`
+(a static initialiser reads PYTORCH_CUDA_ALLOC_CONF): setting PYTORCH_CUDA_ALLOC_CONF=
+backend:cudaMallocAsync after the import leaves get_allocator_backend() == "native" (checked on
+torch 2.11.0+cu130). So one shared zygote cannot serve every configuration; each configuration
+gets its own, started with exactly the environment a fresh process of that configuration would
+have. A zygote is fork-safe only while CUDA was never initialised in it: it checks
+torch.cuda.is_initialized() and that libcuda is not even mapped, and that it runs one thread.
+Each child then verifies the allocator (allocator_check in the JSON): get_allocator_backend() is
+"native" (native, expandable: plus at least one expandable segment for expandable, none for
+native), "cudaMallocAsync" (async), "pluggable" with cachealloc enabled and the right policy
+(cachealloc:<p>), or something that is neither of those three (cachealloc-full:<p>, the LibTorch
+adapter). A failed check fails the run. A forked run that fails the way a fork-poisoned CUDA
+fails is repeated as a subprocess, and that configuration stays in subprocess mode.
 
 Configurations (--configs, comma separated):
   native                 PyTorch's caching allocator, PYTORCH_CUDA_ALLOC_CONF unset
   expandable             PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   async                  PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync
-  cachealloc:<policy>    CACHEALLOC_CONF=policy:<policy> (enabled by the startup hook that
-                         `pip install ./tools` installs, or explicitly by the child otherwise)
+  cachealloc:<policy>    CACHEALLOC_CONF=policy:<policy> (the plugin, through
+                         CUDAPluggableAllocator; enabled by cachealloc.enable() in the child)
+  cachealloc-full:<p>    CACHEALLOC_CONF=policy:<p>,full:True (the LibTorch adapter; opt-in: if
+                         it is missing, each run records the error and the others go on)
   default: native, expandable, async and cachealloc:<p> for every registered policy.
 
-What is measured, the same way for every configuration, in the child process:
+What is measured, the same way for every configuration, in the run's process:
   peak device memory   used = total - free of the device, sampled every --sample-ms (default
                        1 ms) by a background thread through NVML (pynvml) when importable, else
                        torch.cuda.mem_get_info; minus the used memory after CUDA initialisation
-                       and before the workload's first allocation (context, cuBLAS handles
-                       created later are part of the workload for every configuration alike).
-  step time            wall time of each measured step (each step ends with a device
-                       synchronize), median per run; the table shows the median over runs and
-                       the min-max of the run medians.
-  allocator ns/step    for cachealloc: time inside its alloc/free hooks per measured step.
-A configuration that fails (out of memory, crash, timeout) records its error in the table; the
-other runs go on.
+                       and before the workload's first allocation. Over the whole run (warm-up
+                       included: the workloads' shape sequences are seeded, so every
+                       configuration sees the same requests).
+  step time            wall time of each MEASURED step (each ends with a device synchronize),
+                       median per run; the table shows the median over runs and the min-max
+                       of the run medians.
+  allocator counters   deltas over the MEASURED steps only of the allocator's own counters
+                       (cachealloc.memory_stats() for cachealloc, torch.cuda.memory_stats()
+                       otherwise, where they exist): allocator_ns, alloc_calls,
+                       num_device_alloc/free, num_maps/unmaps, bytes_mapped, pool.calls
+                       (cudaMallocFromPoolAsync/cudaFreeAsync of policy async),
+                       num_sync_all_streams, num_alloc_retries. "allocator % of step" is the
+                       allocator's ns per step over the median step time; "device calls/step"
+                       counts device allocs + frees + maps + unmaps + pool calls.
+  torch max_memory_reserved   torch.cuda.max_memory_reserved() at the end of the run: PyTorch's
+                       own figure (native, expandable, async, and the LibTorch adapter); it
+                       raises under the pluggable allocator (shown as –).
 
-Results: bench/results/e2e_<date>.md (a Markdown table per workload, with the command, date, GPU,
-torch version) and the same data, run by run, in e2e_<date>.json next to it.
+Steps (Note [Steps and warm-up]): defaults per workload, --steps/--warmup N override all.
+  gpt2      warm-up 3, 8 measured (~170 ms a step on an H200). Shapes change every step, so
+            there is no steady state by design; the warm-up covers the one-time costs (cuBLAS and
+            attention kernel selection, lazy kernel loading, AdamW state on the first step).
+  resnet50  warm-up 4, 20 measured (~20 ms). Fixed shapes: every allocator is in steady state
+            after the first two steps (cuDNN workspaces and momentum buffers exist).
+  pipeline  warm-up 4, 20 measured (~10-20 ms). Batch size changes every step; the warm-up
+            covers the side stream's first record_stream hand-overs.
 
-Time: about (torch import + CUDA init + build ~3-4 s + (warmup + steps) x step time) per run.
-With the defaults on an H200 (3 workloads x 6 configs x 5 reps, 20 steps) that is about 6 minutes;
---time-budget-s stops before a repetition round that would not fit.
+--time-budget-s B: after the first round the harness prints the estimate for all --reps rounds;
+if it would end past B, the measured steps of the later rounds shrink (to at least --min-steps)
+so that every requested repetition still runs. Results (.md and .json) are rewritten after every
+run, so a run cut by an outer timeout keeps everything measured so far.
+
+Results: <out-dir>/e2e_<date>[_tag].md (a Markdown table per workload, with the command, date,
+GPU, torch version) and the same data, run by run, in e2e_<date>[_tag].json next to it.
 """
 
 from __future__ import annotations
@@ -39,9 +83,12 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import math
 import os
 import platform
+import select
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -56,12 +103,20 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 TOOLS = REPO / "tools"
 DEFAULT_WORKLOADS = ("gpt2", "resnet50", "pipeline")
+STEP_DEFAULTS = {"gpt2": (3, 8), "resnet50": (4, 20), "pipeline": (4, 20)}  # (warm-up, measured)
 BUILTIN_CONFIGS = {
     "native": {},
     "expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
     "async": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},
 }
-FALLBACK_POLICIES = ("native", "size_class", "defrag")
+FALLBACK_POLICIES = ("native", "size_class", "defrag", "async")
+COUNTER_KEYS = ("allocator_ns", "alloc_calls", "free_calls", "num_device_alloc", "num_device_free", "num_maps",
+                "num_unmaps", "bytes_mapped", "bytes_unmapped", "pool.calls", "num_sync_all_streams",
+                "num_alloc_retries", "num_ooms")
+DEVICE_CALL_KEYS = ("num_device_alloc", "num_device_free", "num_maps", "num_unmaps", "pool.calls")
+# How a CUDA process fails when it inherited CUDA state from its parent (fork after CUDA init).
+FORK_POISON_MARKERS = ("initialization error", "re-initialize CUDA", "forked subprocess",
+                       "cudaErrorInitializationError", "CUDA driver initialization failed")
 MiB = 1 << 20
 
 
@@ -69,12 +124,12 @@ MiB = 1 << 20
 # configurations
 
 def registered_policies() -> list[str]:
-    """cachealloc's policies from its library; the usual three when the library is not found."""
+    """cachealloc's policies from its library; the usual four when the library is not found."""
     sys.path.insert(0, str(TOOLS))
     try:
         import cachealloc
 
-        return [p["name"] for p in cachealloc.policies()]
+        return [p["name"] for p in cachealloc.policies() if not p.get("replay_only")]
     except Exception as e:  # library not built here: still plan (and fail visibly per run)
         print(f"run_e2e: cannot list cachealloc policies ({e}); assuming {', '.join(FALLBACK_POLICIES)}",
               file=sys.stderr)
@@ -87,16 +142,31 @@ def default_configs() -> list[str]:
     return list(BUILTIN_CONFIGS) + [f"cachealloc:{p}" for p in registered_policies()]
 
 
+def config_kind(name: str) -> str:
+    """native | expandable | async | plugin | full."""
+    if name in BUILTIN_CONFIGS:
+        return name
+    if name.startswith("cachealloc:"):
+        return "plugin"
+    if name.startswith("cachealloc-full:"):
+        return "full"
+    raise ValueError(f"unknown configuration {name!r}; use native, expandable, async, cachealloc:<policy> "
+                     "or cachealloc-full:<policy>")
+
+
+def config_policy(name: str) -> Optional[str]:
+    return name.split(":", 1)[1] if config_kind(name) in ("plugin", "full") else None
+
+
 def config_env(name: str) -> dict[str, str]:
     """The environment variables a configuration sets (everything else allocator-related unset)."""
-    if name in BUILTIN_CONFIGS:
-        return dict(BUILTIN_CONFIGS[name])
-    if name.startswith("cachealloc:"):
-        policy = name.split(":", 1)[1]
-        if not policy:
-            raise ValueError("cachealloc:<policy> needs a policy name")
-        return {"CACHEALLOC_CONF": f"policy:{policy}"}
-    raise ValueError(f"unknown configuration {name!r}; use native, expandable, async or cachealloc:<policy>")
+    kind = config_kind(name)
+    if kind in BUILTIN_CONFIGS:
+        return dict(BUILTIN_CONFIGS[kind])
+    policy = config_policy(name)
+    if not policy:
+        raise ValueError(f"{name!r}: cachealloc:<policy> needs a policy name")
+    return {"CACHEALLOC_CONF": f"policy:{policy}" + (",full:True" if kind == "full" else "")}
 
 
 def child_env(name: str) -> dict[str, str]:
@@ -104,11 +174,18 @@ def child_env(name: str) -> dict[str, str]:
     env.update(config_env(name))
     env["PYTHONPATH"] = os.pathsep.join([str(TOOLS), str(HERE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.setdefault("CACHEALLOC_QUIET", "1")
+    env["PYTHONUNBUFFERED"] = "1"
     return env
 
 
+def steps_for(args: argparse.Namespace, workload: str) -> tuple[int, int]:
+    """(warm-up, measured) steps of `workload` (Note [Steps and warm-up] in the docstring)."""
+    warmup, steps = STEP_DEFAULTS[workload]
+    return (args.warmup if args.warmup is not None else warmup, args.steps if args.steps is not None else steps)
+
+
 # =============================================================================================
-# the child: one workload under one configuration
+# one run: one workload under one configuration, in a fresh CUDA process
 
 class MemorySampler(threading.Thread):
     """Samples the device's used memory every `interval_s` and keeps the maximum."""
@@ -163,28 +240,102 @@ class MemorySampler(threading.Thread):
         return self.peak
 
 
-def child_main(args: argparse.Namespace) -> int:
-    result: dict[str, Any] = {"workload": args.workload, "config": args.config, "rep": args.rep, "ok": False}
+class AllocatorMismatch(RuntimeError):
+    """The allocator in use is not the one the configuration asks for."""
+
+
+def _counters(stats: dict[str, Any]) -> dict[str, int]:
+    return {k: int(stats[k]) for k in COUNTER_KEYS if k in stats and stats[k] is not None}
+
+
+def _read_stats(torch: Any, cachealloc: Any, device: Any) -> dict[str, Any]:
+    """The allocator's own statistics: cachealloc's when it is enabled, else PyTorch's ({} if neither answers)."""
+    if cachealloc is not None:
+        try:
+            return dict(cachealloc.memory_stats(device))
+        except Exception:
+            pass
+    try:
+        return dict(torch.cuda.memory_stats(device))
+    except Exception:
+        return {}
+
+
+def _expandable_segments(torch: Any) -> Optional[int]:
+    """How many of PyTorch's segments are expandable (None: the snapshot does not say)."""
+    segments = torch.cuda.memory._snapshot().get("segments", [])
+    flags = [s.get("is_expandable") for s in segments]
+    return None if any(f is None for f in flags) else sum(bool(f) for f in flags)
+
+
+def check_allocator_before(torch: Any, config: str, cachealloc: Any) -> str:
+    """Checks, before the workload, that the configuration's allocator is in use; returns what was seen."""
+    kind = config_kind(config)
+    backend = torch.cuda.memory.get_allocator_backend()
+    if kind in ("native", "expandable"):
+        ok = backend == "native"
+    elif kind == "async":
+        ok = backend == "cudaMallocAsync"
+    elif kind == "plugin":
+        ok = backend == "pluggable" and cachealloc is not None and cachealloc.is_enabled()
+        if ok and cachealloc.policy_name() != config_policy(config):
+            raise AllocatorMismatch(f"cachealloc runs policy {cachealloc.policy_name()!r}, not {config_policy(config)!r}")
+    else:  # full: the LibTorch adapter replaces PyTorch's allocator itself
+        ok = backend not in ("native", "cudaMallocAsync", "pluggable")
+    if not ok:
+        raise AllocatorMismatch(f"configuration {config} expects another allocator than "
+                                f"get_allocator_backend()={backend!r}"
+                                + (f", cachealloc enabled={cachealloc.is_enabled()}" if cachealloc is not None else ""))
+    return backend
+
+
+def check_allocator_after(torch: Any, config: str, stats_delta: dict[str, int]) -> str:
+    """Checks, after the workload, what only shows once memory was allocated."""
+    kind = config_kind(config)
+    if kind in ("native", "expandable"):
+        n = _expandable_segments(torch)
+        if n is None:
+            return "expandable segments: not reported by this torch"
+        if (kind == "expandable") != (n > 0):
+            raise AllocatorMismatch(f"configuration {config}: {n} expandable segment(s) in torch's snapshot")
+        return f"{n} expandable segment(s)"
+    if kind == "plugin":
+        if stats_delta.get("alloc_calls", 0) <= 0:
+            raise AllocatorMismatch("cachealloc counted no allocation during the measured steps")
+        return f"{stats_delta['alloc_calls']} cachealloc allocations in the measured steps"
+    return ""
+
+
+def run_workload(spec: dict[str, Any]) -> dict[str, Any]:
+    """Runs one workload under one configuration in THIS process (which must not have used CUDA
+    yet) and returns the result; never raises (a failure is recorded in result['error'])."""
+    result: dict[str, Any] = {k: spec[k] for k in ("workload", "config", "rep", "steps", "warmup")}
+    result.update(ok=False, mode=spec.get("mode", "?"), pid=os.getpid())
     cachealloc = None
     try:
-        sys.setswitchinterval(min(sys.getswitchinterval(), args.sample_ms / 1000.0))
+        sys.setswitchinterval(min(sys.getswitchinterval(), spec["sample_ms"] / 1000.0))
         import torch
 
         result["torch"] = torch.__version__
         result["cuda"] = torch.version.cuda
-        if os.environ.get("CACHEALLOC_CONF") is not None:
+        kind = config_kind(spec["config"])
+        if kind in ("plugin", "full"):
+            if str(TOOLS) not in sys.path:
+                sys.path.insert(0, str(TOOLS))
             import cachealloc as _ca
 
-            if not _ca.is_enabled():  # the startup hook is not installed: enable explicitly
+            if not _ca.is_enabled():  # the startup hook did not run (zygote, or not installed)
                 _ca.enable()
-                result["enabled_by"] = "explicit enable()"
+                result["enabled_by"] = "cachealloc.enable() in the run"
             else:
                 result["enabled_by"] = "startup hook"
             cachealloc = _ca
             result["cachealloc_library"] = _ca.library_path()
+        if str(HERE) not in sys.path:
+            sys.path.insert(0, str(HERE))
         import workloads
 
-        device = torch.device(args.device)
+        device = torch.device(spec["device"])
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", 0)
         sampler: Optional[MemorySampler] = None
@@ -192,95 +343,345 @@ def child_main(args: argparse.Namespace) -> int:
         if device.type == "cuda":
             torch.cuda.set_device(device)
             torch.cuda.mem_get_info(device.index)  # creates the context; allocates nothing
+            result["allocator_backend"] = check_allocator_before(torch, spec["config"], cachealloc)
             result["gpu"] = torch.cuda.get_device_name(device)
             result["total_memory"] = torch.cuda.get_device_properties(device).total_memory
-            sampler = MemorySampler(torch, device.index, args.sample_ms / 1000.0)
+            sampler = MemorySampler(torch, device.index, spec["sample_ms"] / 1000.0)
             baseline = sampler.read()
             result["baseline_used_bytes"] = baseline
             result["sampler"] = sampler.kind
             sampler.start()
+        elif cachealloc is not None:
+            cachealloc = None  # a CPU smoke run: enabled, but no device to report on
 
         def sync() -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
 
-        wl = workloads.build(args.workload, device, args.seed, args.scale)
+        t_build = time.perf_counter()
+        wl = workloads.build(spec["workload"], device, spec["seed"], spec["scale"])
         result["description"] = wl.description
-        for i in range(args.warmup):
+        for i in range(spec["warmup"]):
             wl.step(i)
         sync()
-        ns0 = calls0 = 0
-        if cachealloc is not None and device.type != "cuda":
-            cachealloc = None  # a CPU smoke run: the allocator was enabled but has no device to report on
-        if cachealloc is not None:
-            s = cachealloc.memory_stats()
-            ns0, calls0 = s.get("allocator_ns", 0), s.get("alloc_calls", 0)
+        result["warmup_s"] = time.perf_counter() - t_build
+        before = _counters(_read_stats(torch, cachealloc, device)) if device.type == "cuda" else {}
         times = []
-        for i in range(args.warmup, args.warmup + args.steps):
+        for i in range(spec["warmup"], spec["warmup"] + spec["steps"]):
             t0 = time.perf_counter()
             wl.step(i)
             sync()
             times.append(time.perf_counter() - t0)
         result["step_s"] = times
-        result["median_step_s"] = statistics.median(times)
+        result["median_step_s"] = median_step = statistics.median(times)
         if sampler is not None:
             peak = sampler.stop()
             result["peak_used_bytes"] = peak
             result["peak_bytes"] = peak - baseline
             result["samples"] = sampler.samples
-        if cachealloc is not None:
-            s = cachealloc.memory_stats()
-            result["allocator_ns_per_step"] = (s.get("allocator_ns", 0) - ns0) / args.steps
-            result["allocs_per_step"] = (s.get("alloc_calls", 0) - calls0) / args.steps
-            result["allocator_reserved_peak"] = s.get("reserved_bytes.all.peak")
-            result["allocator_allocated_peak"] = s.get("allocated_bytes.all.peak")
-            result["num_ooms"] = s.get("num_ooms")
-        elif device.type == "cuda":
-            s = torch.cuda.memory_stats(device)
-            result["allocator_reserved_peak"] = s.get("reserved_bytes.all.peak")
-            result["allocator_allocated_peak"] = s.get("allocated_bytes.all.peak")
-            result["num_ooms"] = s.get("num_ooms")
+        if device.type == "cuda":
+            stats = _read_stats(torch, cachealloc, device)
+            after = _counters(stats)
+            delta = {k: after[k] - before[k] for k in after if k in before}
+            steps = spec["steps"]
+            result["counters_delta"] = delta
+            if "allocator_ns" in delta and kind in ("plugin", "full"):
+                result["allocator_ns_per_step"] = delta["allocator_ns"] / steps
+                result["allocator_pct_of_step"] = 100.0 * delta["allocator_ns"] / steps / (median_step * 1e9)
+            if "alloc_calls" in delta:
+                result["allocs_per_step"] = delta["alloc_calls"] / steps
+            calls = [delta[k] for k in DEVICE_CALL_KEYS if k in delta]
+            if calls:
+                result["device_calls_per_step"] = sum(calls) / steps
+            result["allocator_reserved_peak"] = stats.get("reserved_bytes.all.peak")
+            result["allocator_allocated_peak"] = stats.get("allocated_bytes.all.peak")
+            result["num_ooms"] = stats.get("num_ooms")
+            result["pool_end"] = {k: v for k, v in stats.items() if k.startswith("pool.")} or None
+            try:
+                result["torch_max_memory_reserved"] = int(torch.cuda.max_memory_reserved(device))
+            except Exception as e:  # the pluggable allocator has no device stats
+                result["torch_max_memory_reserved"] = None
+                result["torch_max_memory_reserved_error"] = f"{type(e).__name__}: {str(e).strip()[:160]}"
+            result["allocator_check"] = check_allocator_after(torch, spec["config"], delta)
+        else:
+            result["allocator_check"] = "not checked: no CUDA device"
         result["ok"] = True
     except BaseException as e:  # noqa: BLE001 - every failure must end up in the table
-        kind = type(e).__name__
         text = str(e).strip().splitlines()
-        result["error"] = f"{kind}: {text[0][:300] if text else ''}"
+        result["error"] = f"{type(e).__name__}: {text[0][:300] if text else ''}"
         result["traceback"] = traceback.format_exc()[-4000:]
-    with open(args.result, "w") as f:
-        json.dump(result, f)
+    return result
+
+
+def child_main(args: argparse.Namespace) -> int:
+    """--child --spec FILE: one run in a new interpreter (--no-fork, and the fallback)."""
+    spec = json.loads(Path(args.spec).read_text())
+    result = run_workload(spec)
+    Path(spec["result"]).write_text(json.dumps(result))
     return 0 if result["ok"] else 1
 
 
 # =============================================================================================
-# the parent: plan, run, aggregate, report
+# the zygote (Note [Fork server]): imports once, forks one child per run
 
-def run_one(args: argparse.Namespace, workload: str, config: str, rep: int, tmp: Path) -> dict[str, Any]:
-    result_file = tmp / f"{workload}_{config.replace(':', '_')}_{rep}.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--workload", workload, "--config", config,
-           "--rep", str(rep), "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed),
-           "--scale", args.scale, "--device", args.device, "--sample-ms", str(args.sample_ms),
-           "--result", str(result_file)]
-    start = time.perf_counter()
+def fork_safety() -> tuple[bool, str]:
+    """Whether this process may fork children that use CUDA: CUDA untouched, one thread."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        return False, "torch.cuda.is_initialized() is True in the zygote"
     try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        maps = ""
+    if "libcuda.so" in maps:
+        return False, "libcuda is mapped in the zygote (the CUDA driver may be initialised)"
+    if threading.active_count() != 1:
+        return False, f"the zygote runs {threading.active_count()} threads"
+    return True, "CUDA untouched, libcuda not mapped, one thread"
+
+
+def _wait_child(pid: int, timeout_s: float) -> tuple[int, bool]:
+    """Waits for `pid` (SIGKILL after timeout_s); returns (wait status, timed out)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done == pid:
+            return status, False
+        if time.monotonic() > deadline:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            _, status = os.waitpid(pid, 0)
+            return status, True
+        time.sleep(0.005)
+
+
+def zygote_main(args: argparse.Namespace) -> int:
+    """--zygote --config C: reads one JSON run spec per line on stdin, forks a child for each,
+    answers one JSON line per run on stdout. stdout carries nothing else."""
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # anything printed from here on goes to the zygote's log, not the protocol
+    sys.stdout = os.fdopen(1, "w", buffering=1)
+    t0 = time.perf_counter()
+    ready: dict[str, Any] = {"ready": True, "config": args.config}
+    try:
+        import torch  # noqa: F401  - the point of the zygote: imported once
+
+        try:
+            import torchvision  # noqa: F401
+        except Exception:
+            pass
+        sys.path.insert(0, str(HERE))
+        sys.path.insert(0, str(TOOLS))
+        import workloads  # noqa: F401
+
+        if config_kind(args.config) in ("plugin", "full"):
+            import cachealloc  # noqa: F401  - the package only: no torch hooks, no library yet
+        ready["import_s"] = time.perf_counter() - t0
+        ready["allocator_backend_at_import"] = torch.cuda.memory.get_allocator_backend()
+        ready["fork_safe"], ready["why"] = fork_safety()
+    except BaseException as e:  # noqa: BLE001
+        ready.update(ready=False, fork_safe=False, why=f"zygote import failed: {type(e).__name__}: {e}")
+    proto.write(json.dumps(ready) + "\n")
+    if not ready.get("fork_safe"):
+        return 1
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        spec = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the run: a fresh CUDA process
+            code = 1
+            try:
+                fd = os.open(spec["result"] + ".log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                os.close(fd)
+                devnull = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(devnull, 0)
+                spec["mode"] = "fork"
+                result = run_workload(spec)
+                Path(spec["result"]).write_text(json.dumps(result))
+                code = 0 if result["ok"] else 1
+            except BaseException:  # noqa: BLE001
+                traceback.print_exc()
+            finally:
+                try:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                finally:
+                    os._exit(code)
+        status, timed_out = _wait_child(pid, float(spec["timeout_s"]))
+        proto.write(json.dumps({"pid": pid, "exit_code": os.waitstatus_to_exitcode(status),
+                                "timed_out": timed_out}) + "\n")
+    return 0
+
+
+class Zygote:
+    """The harness's handle on one configuration's zygote process."""
+
+    def __init__(self, config: str, tmp: Path) -> None:
+        self.config = config
+        self.log_path = tmp / f"zygote_{config.replace(':', '_')}.log"
+        self.info: dict[str, Any] = {}
+        self._log = open(self.log_path, "w")
         env = child_env(config)
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
-        stderr_tail = proc.stderr.strip().splitlines()[-3:]
+        env["CACHEALLOC_AUTOLOAD"] = "0"  # the startup hook must not enable (or touch CUDA) in the zygote
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--zygote", "--config", config],
+                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                     cwd=str(REPO))
+
+    def _readline(self, timeout_s: float) -> Optional[dict[str, Any]]:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], max(timeout_s, 0.0))
+        if not ready:
+            return None
+        line = self.proc.stdout.readline()
+        return json.loads(line) if line.strip() else None
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        reply = self._readline(timeout_s)
+        self.info = reply or {"ready": False, "fork_safe": False,
+                              "why": f"no answer within {timeout_s:.0f} s: {self.log_tail()}"}
+        return bool(self.info.get("ready") and self.info.get("fork_safe"))
+
+    def run(self, spec: dict[str, Any]) -> Optional[dict[str, Any]]:
+        """Forks one run; None when the zygote is gone or stopped answering."""
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write((json.dumps(spec) + "\n").encode())
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            return None
+        return self._readline(float(spec["timeout_s"]) + 30.0)
+
+    def log_tail(self) -> str:
+        try:
+            return " | ".join(self.log_path.read_text().strip().splitlines()[-3:])[-400:]
+        except OSError:
+            return ""
+
+    def close(self) -> None:
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+            self.proc.wait(timeout=10)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+# =============================================================================================
+# the harness: plan, run, aggregate, report
+
+def make_spec(args: argparse.Namespace, workload: str, config: str, rep: int, steps: int, warmup: int,
+              tmp: Path) -> dict[str, Any]:
+    return {"workload": workload, "config": config, "rep": rep, "steps": steps, "warmup": warmup,
+            "seed": args.seed, "scale": args.scale, "device": args.device, "sample_ms": args.sample_ms,
+            "timeout_s": args.timeout_s,
+            "result": str(tmp / f"{workload}_{config.replace(':', '_')}_{rep}_{time.monotonic_ns()}.json")}
+
+
+def _read_result(spec: dict[str, Any], exit_code: Optional[int], extra: str = "") -> dict[str, Any]:
+    path = Path(spec["result"])
+    if path.is_file():
+        return json.loads(path.read_text())
+    log = Path(spec["result"] + ".log")
+    tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-3:])[-300:] if log.is_file() else ""
+    return {k: spec[k] for k in ("workload", "config", "rep", "steps", "warmup")} | {
+        "ok": False, "error": f"exit code {exit_code}{extra}: {tail}"}
+
+
+def run_subprocess(spec: dict[str, Any]) -> dict[str, Any]:
+    spec = dict(spec, mode="subprocess")
+    spec_path = Path(spec["result"] + ".spec")
+    spec_path.write_text(json.dumps(spec))
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--spec", str(spec_path)]
+    try:
+        proc = subprocess.run(cmd, env=child_env(spec["config"]), capture_output=True, text=True,
+                              timeout=spec["timeout_s"], cwd=str(REPO))
     except subprocess.TimeoutExpired:
-        return {"workload": workload, "config": config, "rep": rep, "ok": False,
-                "error": f"timeout after {args.timeout_s} s", "wall_s": time.perf_counter() - start}
-    except ValueError as e:
-        return {"workload": workload, "config": config, "rep": rep, "ok": False, "error": str(e), "wall_s": 0.0}
-    wall = time.perf_counter() - start
-    if result_file.is_file():
-        result = json.loads(result_file.read_text())
-    else:  # the child died before writing (segfault, abort): keep its last words
-        result = {"workload": workload, "config": config, "rep": rep, "ok": False,
-                  "error": f"exit code {proc.returncode}: {' | '.join(stderr_tail)[:300]}"}
-    result["wall_s"] = wall
+        return {k: spec[k] for k in ("workload", "config", "rep", "steps", "warmup")} | {
+            "ok": False, "error": f"timeout after {spec['timeout_s']} s", "mode": "subprocess"}
+    Path(spec["result"] + ".log").write_text(proc.stdout + proc.stderr)
+    result = _read_result(spec, proc.returncode)
     result["exit_code"] = proc.returncode
-    if not result.get("ok") and proc.stderr:
-        result.setdefault("stderr_tail", proc.stderr[-2000:])
+    result.setdefault("mode", "subprocess")
     return result
+
+
+def _fork_poisoned(result: dict[str, Any]) -> bool:
+    text = (result.get("error") or "") + (result.get("traceback") or "")
+    return not result.get("ok") and any(m in text for m in FORK_POISON_MARKERS)
+
+
+class Runner:
+    """Runs specs in fork mode where the configuration's zygote allows it, else as subprocesses."""
+
+    def __init__(self, args: argparse.Namespace, configs: list[str], tmp: Path, meta: dict[str, Any]) -> None:
+        self.zygotes: dict[str, Zygote] = {}
+        self.meta = meta
+        meta["fork"] = {}
+        if args.no_fork:
+            meta["fork"] = {c: "off (--no-fork)" for c in configs}
+            return
+        started = time.perf_counter()
+        for c in configs:  # all at once: their imports overlap
+            self.zygotes[c] = Zygote(c, tmp)
+        for c in configs:
+            z = self.zygotes[c]
+            if z.wait_ready(max(5.0, args.zygote_timeout_s - (time.perf_counter() - started))):
+                meta["fork"][c] = f"fork (zygote import {z.info.get('import_s', 0):.1f} s, " \
+                                  f"backend at import {z.info.get('allocator_backend_at_import')})"
+            else:
+                self.fallback(c, f"zygote not usable: {z.info.get('why')}")
+        meta["zygotes_ready_s"] = time.perf_counter() - started
+        print(f"run_e2e: zygotes ready in {meta['zygotes_ready_s']:.1f} s: "
+              + "; ".join(f"{c}: {m}" for c, m in meta["fork"].items()), flush=True)
+
+    def fallback(self, config: str, why: str) -> None:
+        z = self.zygotes.pop(config, None)
+        if z is not None:
+            z.close()
+        self.meta["fork"][config] = f"subprocess ({why})"
+        print(f"run_e2e: {config}: falling back to one subprocess per run: {why}", flush=True)
+
+    def run(self, spec: dict[str, Any]) -> dict[str, Any]:
+        start = time.perf_counter()
+        z = self.zygotes.get(spec["config"])
+        if z is None:
+            result = run_subprocess(spec)
+        else:
+            reply = z.run(spec)
+            if reply is None:
+                self.fallback(spec["config"], f"the zygote stopped answering: {z.log_tail()}")
+                result = run_subprocess(spec)
+            else:
+                extra = " (killed after the per-run timeout)" if reply.get("timed_out") else ""
+                result = _read_result(spec, reply.get("exit_code"), extra)
+                result["exit_code"] = reply.get("exit_code")
+                if _fork_poisoned(result):
+                    self.fallback(spec["config"], f"a forked run failed like a fork-poisoned CUDA: {result.get('error')}")
+                    result = run_subprocess(spec)
+        result["wall_s"] = time.perf_counter() - start
+        log = Path(spec["result"] + ".log")
+        if not result.get("ok") and log.is_file():
+            result.setdefault("log_tail", log.read_text(errors="replace")[-2000:])
+        return result
+
+    def close(self) -> None:
+        for z in self.zygotes.values():
+            z.close()
+        self.zygotes.clear()
+
+
+def _median(values: list[float]) -> Optional[float]:
+    return statistics.median(values) if values else None
 
 
 def _fmt_mib(values: list[float]) -> str:
@@ -305,16 +706,29 @@ def summarize(results: list[dict[str, Any]], workloads: list[str], configs: list
         for cfg in configs:
             runs = [r for r in results if r["workload"] == wl and r["config"] == cfg]
             ok = [r for r in runs if r.get("ok")]
-            peaks = [r["peak_bytes"] for r in ok if "peak_bytes" in r]
-            steps = [r["median_step_s"] for r in ok if "median_step_s" in r]
+            for r in ok:  # results of the older format: derive what they lack
+                if r.get("allocator_pct_of_step") is None and r.get("allocator_ns_per_step") and r.get("median_step_s"):
+                    r["allocator_pct_of_step"] = 100.0 * r["allocator_ns_per_step"] / (r["median_step_s"] * 1e9)
+
+            def col(key: str) -> list[Any]:
+                return [r[key] for r in ok if r.get(key) is not None]
+
             rows[cfg] = {
                 "runs": len(runs),
                 "ok": len(ok),
-                "peak_bytes": peaks,
-                "median_step_s": steps,
-                "allocator_reserved_peak": [r["allocator_reserved_peak"] for r in ok if r.get("allocator_reserved_peak") is not None],
-                "allocator_ns_per_step": [r["allocator_ns_per_step"] for r in ok if "allocator_ns_per_step" in r],
-                "allocs_per_step": [r["allocs_per_step"] for r in ok if "allocs_per_step" in r],
+                "peak_bytes": col("peak_bytes"),
+                "median_step_s": col("median_step_s"),
+                "allocator_reserved_peak": col("allocator_reserved_peak"),
+                "torch_max_memory_reserved": col("torch_max_memory_reserved"),
+                "allocator_ns_per_step": col("allocator_ns_per_step"),
+                "allocator_pct_of_step": col("allocator_pct_of_step"),
+                "device_calls_per_step": col("device_calls_per_step"),
+                "allocs_per_step": col("allocs_per_step"),
+                "counters_delta_per_step": {
+                    k: statistics.median([r["counters_delta"][k] / r["steps"] for r in ok
+                                          if k in r.get("counters_delta", {})])
+                    for k in COUNTER_KEYS if any(k in r.get("counters_delta", {}) for r in ok)},
+                "modes": sorted({r.get("mode", "?") for r in runs}),
                 "errors": sorted({r.get("error", "?") for r in runs if not r.get("ok")}),
                 "description": next((r.get("description") for r in runs if r.get("description")), None),
             }
@@ -322,34 +736,87 @@ def summarize(results: list[dict[str, Any]], workloads: list[str], configs: list
     return summary
 
 
-def markdown(args: argparse.Namespace, results: list[dict[str, Any]], summary: dict[str, Any], meta: dict[str, Any]) -> str:
+def verdicts(rows: dict[str, Any]) -> list[str]:
+    """The per-workload questions, answered from the numbers (never hard-coded)."""
+    out = []
+
+    def peak_cmp(ours: str, theirs: str, strict: bool) -> None:
+        a, b = rows.get(ours, {}).get("peak_bytes"), rows.get(theirs, {}).get("peak_bytes")
+        if not a or not b:
+            if ours in rows and theirs in rows:
+                out.append(f"- peak, {ours} vs {theirs}: not measured (runs failed)")
+            return
+        ma, mb = statistics.median(a), statistics.median(b)
+        holds = ma < mb if strict else ma <= mb
+        rel = "<" if strict else "≤"
+        beyond = max(a) < min(b) if strict else max(a) <= min(b)
+        out.append(f"- peak, {ours} {rel} {theirs}: **{'yes' if holds else 'no'}** — {ma / MiB:,.0f} vs "
+                   f"{mb / MiB:,.0f} MiB ({ma / mb - 1:+.1%}); "
+                   + ("every run of the first below every run of the second" if beyond else
+                      "the run ranges overlap or are the other way round"))
+
+    for prefix in ("cachealloc:", "cachealloc-full:"):
+        peak_cmp(f"{prefix}defrag", "expandable", strict=True)
+        peak_cmp(f"{prefix}async", "async", strict=False)
+    native = rows.get("native", {}).get("median_step_s")
+    if native:
+        lo, hi, med = min(native), max(native), statistics.median(native)
+        parts = []
+        for cfg, r in rows.items():
+            if cfg == "native" or not r["median_step_s"]:
+                continue
+            m = statistics.median(r["median_step_s"])
+            where = ("within" if lo <= m <= hi else
+                     f"faster by {(lo - m) / med:.1%} of native's median" if m < lo else
+                     f"slower by {(m - hi) / med:.1%} of native's median")
+            parts.append(f"{cfg} {m * 1e3:.2f} ms {where}")
+        out.append(f"- step time vs native's spread [{lo * 1e3:.2f}–{hi * 1e3:.2f}] ms (min–max of its run "
+                   f"medians): " + "; ".join(parts))
+    return out
+
+
+def markdown(args: argparse.Namespace, summary: dict[str, Any], meta: dict[str, Any]) -> str:
     lines = [f"# End-to-end allocator comparison, {meta['date']}", ""]
+    steps = "; ".join(f"{wl} {w} warm-up + {s} measured" for wl, (w, s) in meta.get("steps", {}).items()) \
+        or f"{args.warmup} warm-up + {args.steps} measured"
     lines += [
         f"- command: `{meta['command']}`",
         f"- date: {meta['date']} on {meta['host']}",
         f"- GPU: {meta.get('gpu', '?')}" + (f" (driver {meta['driver']})" if meta.get("driver") else "")
         + f"; torch {meta.get('torch', '?')}, CUDA {meta.get('cuda', '?')}",
         f"- cachealloc library: {meta.get('cachealloc_library', '–')}",
-        f"- {args.steps} measured steps after {args.warmup} warm-up steps per run; {meta['rounds_done']} "
-        f"interleaved repetition(s) of every configuration (A B C … A B C …), each run a fresh process; seed {args.seed}",
+        f"- steps per run: {steps}" + (f"; shrunk for rounds ≥ 2 to fit the time budget: {meta['steps_shrunk']}"
+                                        if meta.get("steps_shrunk") else ""),
+        f"- {meta['rounds_done']} of {args.reps} interleaved repetition(s) of every configuration "
+        f"(A B C … A B C …), each run a fresh CUDA process; seed {args.seed}; {meta.get('elapsed_s', 0):.0f} s in all",
         f"- peak device memory: device used memory (total − free) sampled every {args.sample_ms} ms by "
         f"{meta.get('sampler', '?')} in the run's process, minus the used memory after CUDA initialisation and "
-        "before the workload's first allocation; median [min–max] over runs",
+        "before the workload's first allocation, over the whole run; median [min–max] over runs",
+        "- allocator peak reserved: the allocator's own reserved_bytes.all.peak (cachealloc.memory_stats() for "
+        "cachealloc, torch.cuda.memory_stats() otherwise); torch max_memory_reserved: "
+        "torch.cuda.max_memory_reserved() (– where PyTorch cannot answer: the pluggable allocator)",
         "- step time: per run the median of the measured steps (each ends with a device synchronize); "
         "median [min–max] of those over runs",
-        "- allocator µs/step: time inside cachealloc's alloc/free hooks per measured step, and allocs/step the "
-        "allocations per step (not measured for PyTorch's own allocators)",
+        "- allocator µs/step and % of step: time inside cachealloc's alloc/free per measured step, and that over "
+        "the run's median step time; device calls/step: device allocs + frees + maps + unmaps + stream-ordered "
+        "pool calls per measured step, from the allocator's counters (PyTorch's num_device_alloc/free where it "
+        "has them); all medians over runs",
     ]
-    if meta.get("stopped_early"):
-        lines.append(f"- stopped early: {meta['stopped_early']}")
+    if meta.get("fork") is not None:
+        lines += ["- processes: " + "; ".join(f"{c}: {m}" for c, m in meta["fork"].items()),
+                  "- allocator verified in every run (get_allocator_backend(), expandable segments in torch's "
+                  "snapshot, cachealloc enabled with the right policy); a run that fails the check is not ok"]
+    if meta.get("estimate"):
+        lines.append(f"- time: {meta['estimate']}")
     for wl, rows in summary.items():
         desc = next((r["description"] for r in rows.values() if r["description"]), "")
         lines += ["", f"## {wl}", "", desc, ""]
-        native_peak = statistics.median(rows["native"]["peak_bytes"]) if "native" in rows and rows["native"]["peak_bytes"] else None
-        native_step = statistics.median(rows["native"]["median_step_s"]) if "native" in rows and rows["native"]["median_step_s"] else None
+        native_peak = _median(rows.get("native", {}).get("peak_bytes", []))
+        native_step = _median(rows.get("native", {}).get("median_step_s", []))
         lines += [
-            "| config | peak device memory MiB | vs native | allocator peak reserved MiB | step ms | vs native | allocator µs/step | allocs/step | runs ok |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| config | peak device memory MiB | vs native | allocator peak reserved MiB | torch max_memory_reserved MiB "
+            "| step ms | vs native | allocator µs/step | allocator % of step | device calls/step | allocs/step | runs ok |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for cfg, r in rows.items():
             peak_rel = step_rel = "–"
@@ -358,10 +825,16 @@ def markdown(args: argparse.Namespace, results: list[dict[str, Any]], summary: d
             if native_step and r["median_step_s"]:
                 step_rel = f"{statistics.median(r['median_step_s']) / native_step - 1:+.1%}"
             us = f"{statistics.median(r['allocator_ns_per_step']) / 1e3:,.1f}" if r["allocator_ns_per_step"] else "–"
+            pct = f"{statistics.median(r['allocator_pct_of_step']):.2f}%" if r["allocator_pct_of_step"] else "–"
+            calls = f"{statistics.median(r['device_calls_per_step']):,.1f}" if r["device_calls_per_step"] else "–"
             allocs = f"{statistics.median(r['allocs_per_step']):,.0f}" if r["allocs_per_step"] else "–"
             lines.append(
                 f"| {cfg} | {_fmt_mib(r['peak_bytes'])} | {peak_rel} | {_fmt_mib(r['allocator_reserved_peak'])} | "
-                f"{_fmt_ms(r['median_step_s'])} | {step_rel} | {us} | {allocs} | {r['ok']}/{r['runs']} |")
+                f"{_fmt_mib(r['torch_max_memory_reserved'])} | {_fmt_ms(r['median_step_s'])} | {step_rel} | {us} | "
+                f"{pct} | {calls} | {allocs} | {r['ok']}/{r['runs']} |")
+        v = verdicts(rows)
+        if v:
+            lines += [""] + v
         errors = [(cfg, e) for cfg, r in rows.items() for e in r["errors"]]
         if errors:
             lines += ["", "Errors:", ""]
@@ -379,15 +852,60 @@ def gpu_driver() -> Optional[str]:
         return None
 
 
+def shrink_steps(results: list[dict[str, Any]], steps: dict[str, tuple[int, int]], rounds_left: int,
+                 seconds_left: float, min_steps: int) -> Optional[dict[str, tuple[int, int]]]:
+    """New (warm-up, measured) per workload so that `rounds_left` rounds of the runs in `results`
+    (one round) take at most `seconds_left`; None when no change is needed. Per run, the cost is
+    a fixed part (wall - measured steps x median step) plus measured steps x median step."""
+    if rounds_left <= 0:
+        return None
+    fixed = variable = 0.0
+    per_wl_var: dict[str, float] = {}
+    for r in results:
+        wall = r.get("wall_s", 0.0)
+        step = r.get("median_step_s")
+        measured = steps[r["workload"]][1]
+        if step is None:
+            fixed += wall
+            continue
+        var = measured * step
+        fixed += max(wall - var, 0.0)
+        variable += var
+        per_wl_var[r["workload"]] = per_wl_var.get(r["workload"], 0.0) + var
+    per_round = seconds_left / rounds_left
+    if fixed + variable <= per_round or variable <= 0:
+        return None
+    factor = max((per_round - fixed) / variable, 0.0)
+    return {wl: (w, max(min_steps, int(math.floor(s * factor)))) for wl, (w, s) in steps.items()}
+
+
+def report_from(json_path: Path) -> int:
+    """Regenerates the Markdown of a results .json (also of the older format, without counters)."""
+    data = json.loads(json_path.read_text())
+    saved = argparse.Namespace(**data["args"])
+    meta = dict(data["meta"])
+    meta.setdefault("steps", {})
+    runs = data["runs"]
+    workloads = list(dict.fromkeys(r["workload"] for r in runs))
+    configs = list(dict.fromkeys(r["config"] for r in runs))
+    md = json_path.with_suffix(".md")
+    md.write_text(markdown(saved, summarize(runs, workloads, configs), meta))
+    print(f"run_e2e: wrote {md}")
+    return 0
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
                    help="comma-separated: gpt2, resnet50, pipeline (default: all)")
     p.add_argument("--configs", default=None,
-                   help="comma-separated: native, expandable, async, cachealloc:<policy> "
-                        "(default: the first three and every registered cachealloc policy)")
-    p.add_argument("--steps", type=int, default=20, help="measured steps per run (default 20)")
-    p.add_argument("--warmup", type=int, default=5, help="warm-up steps per run, not measured (default 5)")
+                   help="comma-separated: native, expandable, async, cachealloc:<policy>, cachealloc-full:<policy> "
+                        "(default: the first three and cachealloc:<p> for every registered policy)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="measured steps per run, every workload (default per workload: gpt2 8, resnet50 20, pipeline 20)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="warm-up steps per run, not measured (default per workload: gpt2 3, resnet50 4, pipeline 4)")
+    p.add_argument("--min-steps", type=int, default=5, help="--time-budget-s never shrinks measured steps below this")
     p.add_argument("--reps", type=int, default=5, help="interleaved repetitions of every configuration (default 5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scale", choices=("full", "tiny"), default="full", help="tiny: smoke-test sizes (CPU-able)")
@@ -395,16 +913,21 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--sample-ms", type=float, default=1.0, help="memory sampling period in ms (default 1)")
     p.add_argument("--timeout-s", type=float, default=180.0, help="per-run timeout (default 180 s)")
     p.add_argument("--time-budget-s", type=float, default=0.0,
-                   help="stop before a repetition round that would end past this many seconds (0: no limit)")
+                   help="fit all --reps rounds in this many seconds by shrinking the measured steps of rounds >= 2 "
+                        "(estimated from round 1, printed); 0: no limit")
+    p.add_argument("--no-fork", action="store_true", help="a new interpreter per run instead of the fork server")
+    p.add_argument("--zygote-timeout-s", type=float, default=180.0,
+                   help="how long the zygotes may take to import (default 180 s; then: subprocesses)")
     p.add_argument("--out-dir", default=str(REPO / "bench" / "results"), help="where the .md and .json go")
     p.add_argument("--tag", default="", help="suffix for the result file names")
     p.add_argument("--dry-run", action="store_true", help="print the run plan and exit")
-    # child mode (internal)
+    p.add_argument("--report-from", metavar="JSON",
+                   help="rewrite the Markdown report of an earlier run's .json (next to it, .md) and exit")
+    # internal modes
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--workload", help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    p.add_argument("--zygote", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
-    p.add_argument("--rep", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -412,6 +935,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     if args.child:
         return child_main(args)
+    if args.zygote:
+        return zygote_main(args)
+    if args.report_from:
+        return report_from(Path(args.report_from))
 
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     for w in workloads:
@@ -426,11 +953,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         except ValueError as e:
             print(f"run_e2e: {e}", file=sys.stderr)
             return 2
+    steps = {wl: steps_for(args, wl) for wl in workloads}
     plan = [(rep, wl, cfg) for rep in range(args.reps) for wl in workloads for cfg in configs]
     if args.dry_run:
         for i, (rep, wl, cfg) in enumerate(plan):
             env = " ".join(f"{k}={v}" for k, v in config_env(cfg).items()) or "(no allocator variable)"
-            print(f"run {i + 1}/{len(plan)} {wl} {cfg} rep={rep + 1} {env}")
+            w, s = steps[wl]
+            print(f"run {i + 1}/{len(plan)} {wl} {cfg} rep={rep + 1} warmup={w} steps={s} {env}")
+        print(f"mode: {'one subprocess per run (--no-fork)' if args.no_fork else 'fork server: one zygote per configuration'}")
         return 0
 
     started = time.perf_counter()
@@ -441,45 +971,77 @@ def main(argv: Optional[list[str]] = None) -> int:
         "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
         "driver": gpu_driver() if args.device == "cuda" else None,
         "rounds_done": 0,
+        "steps": dict(steps),
     }
-    results: list[dict[str, Any]] = []
-    round_times: list[float] = []
-    per_round = len(workloads) * len(configs)
-    with tempfile.TemporaryDirectory(prefix="cachealloc_e2e_") as tmpdir:
-        tmp = Path(tmpdir)
-        for rep in range(args.reps):
-            elapsed = time.perf_counter() - started
-            if args.time_budget_s > 0 and round_times and elapsed + statistics.mean(round_times) > args.time_budget_s:
-                meta["stopped_early"] = (f"after {rep} of {args.reps} rounds: the next would end past "
-                                         f"--time-budget-s {args.time_budget_s:.0f}")
-                print(f"run_e2e: {meta['stopped_early']}", flush=True)
-                break
-            round_start = time.perf_counter()
-            for j, (wl, cfg) in enumerate((w, c) for w in workloads for c in configs):
-                r = run_one(args, wl, cfg, rep, tmp)
-                results.append(r)
-                n = rep * per_round + j + 1
-                status = (f"peak {r['peak_bytes'] / MiB:,.0f} MiB, step {r['median_step_s'] * 1e3:.2f} ms"
-                          if r.get("ok") and "peak_bytes" in r else
-                          f"step {r['median_step_s'] * 1e3:.2f} ms" if r.get("ok") else f"FAILED: {r.get('error')}")
-                print(f"[{n}/{len(plan)}] {wl:9s} {cfg:22s} rep {rep + 1}: {status} ({r.get('wall_s', 0):.1f} s)",
-                      flush=True)
-            round_times.append(time.perf_counter() - round_start)
-            meta["rounds_done"] = rep + 1
-
-    first_ok = next((r for r in results if r.get("ok")), {})
-    for key in ("gpu", "torch", "cuda", "sampler", "cachealloc_library"):
-        value = first_ok.get(key) or next((r.get(key) for r in results if r.get(key)), None)
-        if value:
-            meta[key] = value
-    meta["elapsed_s"] = time.perf_counter() - started
-    summary = summarize(results, workloads, configs)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     name = f"e2e_{stamp}{('_' + args.tag) if args.tag else ''}"
     md_path, json_path = out_dir / f"{name}.md", out_dir / f"{name}.json"
-    md_path.write_text(markdown(args, results, summary, meta))
-    json_path.write_text(json.dumps({"meta": meta, "args": vars(args), "summary": summary, "runs": results}, indent=1))
+    results: list[dict[str, Any]] = []
+
+    def write_outputs() -> None:
+        first_ok = next((r for r in results if r.get("ok")), {})
+        for key in ("gpu", "torch", "cuda", "sampler", "cachealloc_library"):
+            value = first_ok.get(key) or next((r.get(key) for r in results if r.get(key)), None)
+            if value:
+                meta[key] = value
+        meta["elapsed_s"] = time.perf_counter() - started
+        summary = summarize(results, workloads, configs)
+        md_path.write_text(markdown(args, summary, meta))
+        json_path.write_text(json.dumps({"meta": meta, "args": vars(args), "summary": summary, "runs": results},
+                                        indent=1))
+
+    per_round = len(workloads) * len(configs)
+    with tempfile.TemporaryDirectory(prefix="cachealloc_e2e_") as tmpdir:
+        tmp = Path(tmpdir)
+        runner = Runner(args, configs, tmp, meta)
+        try:
+            for rep in range(args.reps):
+                round_start = time.perf_counter()
+                round_results = []
+                for j, (wl, cfg) in enumerate((w, c) for w in workloads for c in configs):
+                    warmup, measured = steps[wl]
+                    r = runner.run(make_spec(args, wl, cfg, rep, measured, warmup, tmp))
+                    results.append(r)
+                    round_results.append(r)
+                    n = rep * per_round + j + 1
+                    if r.get("ok"):
+                        status = f"step {r['median_step_s'] * 1e3:.2f} ms"
+                        if "peak_bytes" in r:
+                            status = f"peak {r['peak_bytes'] / MiB:,.0f} MiB, " + status
+                        if r.get("allocator_ns_per_step") is not None:
+                            status += f", alloc {r['allocator_ns_per_step'] / 1e3:,.1f} µs/step"
+                        if r.get("device_calls_per_step") is not None:
+                            status += f", {r['device_calls_per_step']:.1f} device calls/step"
+                    else:
+                        status = f"FAILED: {str(r.get('error'))[:200]}"
+                    print(f"[{n}/{len(plan)}] {wl:9s} {cfg:24s} rep {rep + 1}: {status} "
+                          f"({r.get('wall_s', 0):.1f} s, {r.get('mode', '?')})", flush=True)
+                    write_outputs()
+                meta["rounds_done"] = rep + 1
+                round_s = time.perf_counter() - round_start
+                if rep == 0:
+                    elapsed = time.perf_counter() - started
+                    estimate = elapsed + (args.reps - 1) * round_s
+                    meta["estimate"] = (f"round 1 took {round_s:.0f} s (start-up {meta.get('zygotes_ready_s', 0):.0f} s); "
+                                        f"{args.reps} rounds estimated at {estimate:.0f} s"
+                                        + (f" against --time-budget-s {args.time_budget_s:.0f}" if args.time_budget_s else ""))
+                    print(f"run_e2e: {meta['estimate']}", flush=True)
+                    if args.time_budget_s > 0 and estimate > args.time_budget_s:
+                        new = shrink_steps(round_results, steps, args.reps - 1, args.time_budget_s - elapsed,
+                                           args.min_steps)
+                        if new is not None and new != steps:
+                            meta["steps_shrunk"] = "; ".join(f"{wl} {s}" for wl, (_, s) in new.items())
+                            steps = new
+                            print(f"run_e2e: measured steps for rounds 2-{args.reps}: {meta['steps_shrunk']} "
+                                  "(so that every requested repetition runs)", flush=True)
+                        if new is not None and all(s == args.min_steps for _, s in new.values()):
+                            print(f"run_e2e: WARNING: even {args.min_steps} measured steps may not fit the budget; "
+                                  "results are written after every run", flush=True)
+                write_outputs()
+        finally:
+            runner.close()
+    write_outputs()
     print(f"run_e2e: {len(results)} runs in {meta['elapsed_s']:.0f} s; wrote {md_path} and {json_path}")
     return 0
 

@@ -92,9 +92,11 @@ Block AsyncPolicy::allocate(std::size_t bytes, StreamId stream) {
     }
   }
   void* ptr = pool_.allocate_async(size, stream);
+  ++pool_calls_;
   if (ptr == nullptr && cached_bytes_ > 0) {
     drain_cache();  // Note [Out of memory in async]
     ptr = pool_.allocate_async(size, stream);
+    ++pool_calls_;
   }
   refresh_reserved();
   if (ptr == nullptr) {
@@ -120,6 +122,7 @@ void AsyncPolicy::deallocate(Block block, StreamId stream) noexcept {
 
 void AsyncPolicy::free_to_pool(void* ptr, StreamId stream) noexcept {
   pool_.free_async(ptr, stream);
+  ++pool_calls_;
   if (std::find(freed_on_.begin(), freed_on_.end(), stream) == freed_on_.end()) {
     try {
       freed_on_.push_back(stream);

@@ -353,3 +353,51 @@ TEST_CASE("async: randomized streams, waits and completions keep every invariant
     a->check_invariants();
   }
 }
+
+TEST_CASE("async: stats carry the pool's attributes, in the relations Note [Pool attributes in the stats] states",
+          "[async][stats]") {
+  auto [sim, a] = test::make_sim_allocator("async");
+  SimStreamPool& pool = pool_of(*sim);
+  CHECK_FALSE(test::make_sim_allocator("size_class").allocator->stats().pool.has_value());
+
+  std::vector<void*> ptrs;
+  for (std::size_t size : {512ul, 3000ul, 100000ul, 3ul << 20, 40ul << 20}) {
+    ptrs.push_back(a->allocate(size, 1));
+    ptrs.push_back(a->allocate(size, 2));
+  }
+  a->deallocate(ptrs[0]);  // into stream 1's front cache
+  a->deallocate(ptrs[9]);  // 40 MiB on stream 2: into the cache too (under 256 MiB)
+  a->record_stream(ptrs[4], 3);
+  a->deallocate(ptrs[4]);  // parked for stream 3
+  Stats s = a->stats();
+  REQUIRE(s.pool.has_value());
+  const Stats::PoolFigures& p = *s.pool;
+  CHECK(p.reserved_mem_current == pool.reserved_current());
+  CHECK(p.used_mem_current == pool.used_current());
+  CHECK(static_cast<std::uint64_t>(s.reserved_bytes.current) == p.reserved_mem_current);
+  CHECK(static_cast<std::uint64_t>(s.reserved_bytes.peak) == p.reserved_mem_high);
+  CHECK(p.front_cache_bytes > 0);
+  CHECK(static_cast<std::uint64_t>(s.active_bytes.current) + p.front_cache_bytes <= p.used_mem_current);
+  CHECK(p.used_mem_current <= p.reserved_mem_current);
+  CHECK(p.pool_calls == pool.allocate_calls() + pool.free_calls());
+  const auto map = s.to_map();
+  CHECK(map.at("pool.reserved_mem_current") == static_cast<std::int64_t>(p.reserved_mem_current));
+  CHECK(map.at("pool.used_mem_high") == static_cast<std::int64_t>(p.used_mem_high));
+  CHECK(map.count("pool.front_cache_bytes") == 1);
+  CHECK(map.count("pool.calls") == 1);
+
+  for (std::size_t i = 0; i < ptrs.size(); ++i) {
+    if (i != 0 && i != 9 && i != 4) {
+      a->deallocate(ptrs[i]);
+    }
+  }
+  sim->complete_all();
+  a->empty_cache();
+  s = a->stats();
+  REQUIRE(s.pool.has_value());
+  CHECK(s.allocated_bytes.current == 0);
+  CHECK(s.pool->front_cache_bytes == 0);
+  CHECK(s.pool->used_mem_current == 0);
+  CHECK(static_cast<std::uint64_t>(s.reserved_bytes.current) == s.pool->reserved_mem_current);
+  a->check_invariants();
+}

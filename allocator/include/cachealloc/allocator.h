@@ -20,6 +20,21 @@
 // 4. throw OutOfMemory with requested/capacity/free/allocated/reserved-but-unallocated + hint
 // Each step is a separate member (try_allocate, flush_pending, release_and_retry), tested on its
 // own in tests/core.
+//
+// Note [Pool attributes in the stats]
+// For a policy that takes its memory from a stream-ordered pool (policy async: it has
+// pool_calls()) stats() also reads the pool's own attributes
+// (Stats::pool), under the same lock as everything else, so one snapshot is consistent:
+//   * reserved_bytes.current == pool reserved_mem_current, and reserved_bytes.peak ==
+//     reserved_mem_high while no peak was reset: the pool grows only inside the policy's
+//     allocate_async and shrinks only in its trim_to (release threshold "keep everything"
+//     unless async_release_threshold is set), and the policy re-reads the attribute after each.
+//   * active_bytes.current + front_cache_bytes <= used_mem_current <= reserved_mem_current:
+//     every byte the policy took from the pool is live, parked for another stream, or in its
+//     front cache; the driver may round a request up, and counts a freed block as used until the
+//     free is known complete, so `used` may exceed that sum while frees are in flight.
+//   * Once every block is freed, the streams synchronised and empty_cache() ran, both
+//     used_mem_current and front_cache_bytes are 0.
 #pragma once
 
 #include <cachealloc/backend.h>
@@ -236,6 +251,11 @@ class CachingAllocator final : public DeviceAllocator {
     s.num_unmaps = c.unmap_calls;
     s.bytes_mapped = c.mapped_bytes;
     s.bytes_unmapped = c.unmapped_bytes;
+    if constexpr (requires(const P& p) { p.pool_calls(); }) {  // the policy lives on the pool
+      if (StreamOrderedMemory* pool = backend_->stream_ordered()) {
+        s.pool = pool_figures(*pool);  // Note [Pool attributes in the stats]
+      }
+    }
     return s;
   }
   void reset_peak_stats() override {
@@ -368,6 +388,25 @@ class CachingAllocator final : public DeviceAllocator {
     std::vector<EventId> events;    // events[i] recorded on streams[i]; 0 once completed
     bool needs_events;              // some events could not be recorded yet
   };
+
+  /// The pool's attributes and the policy's share of them; nullopt when the device cannot answer
+  /// (stats() must not fail because of them). Caller holds mutex_.
+  std::optional<Stats::PoolFigures> pool_figures(const StreamOrderedMemory& pool) const {
+    Stats::PoolFigures f;
+    try {
+      f.reserved_mem_current = pool.reserved_current();
+      f.reserved_mem_high = pool.reserved_high();
+      f.used_mem_current = pool.used_current();
+      f.used_mem_high = pool.used_high();
+    } catch (...) {
+      return std::nullopt;
+    }
+    if constexpr (requires(const P& p) { p.cached_bytes(); }) {
+      f.front_cache_bytes = policy_.cached_bytes();
+    }
+    f.pool_calls = policy_.pool_calls();
+    return f;
+  }
 
   Block retry_allocate(std::size_t bytes, StreamId stream) {
     ++stats_.num_alloc_retries;

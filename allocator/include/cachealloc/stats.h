@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 
 namespace cachealloc {
@@ -59,7 +60,22 @@ struct Stats {
   std::uint64_t alloc_calls = 0;
   std::uint64_t free_calls = 0;
 
-  /// Flat "key -> value" map with torch.cuda.memory_stats() key names.
+  /// A stream-ordered pool's own figures (cudaMemPoolAttr*), read under the allocator's lock
+  /// together with the rest; present only for a policy that lives on such a pool (policy async).
+  /// Note [Pool attributes in the stats] in allocator.h says how they relate to the figures above.
+  struct PoolFigures {
+    std::uint64_t reserved_mem_current = 0;  ///< cudaMemPoolAttrReservedMemCurrent
+    std::uint64_t reserved_mem_high = 0;     ///< cudaMemPoolAttrReservedMemHigh
+    std::uint64_t used_mem_current = 0;      ///< cudaMemPoolAttrUsedMemCurrent
+    std::uint64_t used_mem_high = 0;         ///< cudaMemPoolAttrUsedMemHigh
+    std::uint64_t front_cache_bytes = 0;     ///< freed blocks the policy keeps from the pool
+    std::uint64_t pool_calls = 0;            ///< allocate_async + free_async calls (device calls)
+  };
+  std::optional<PoolFigures> pool;
+
+  /// Flat "key -> value" map with torch.cuda.memory_stats() key names (and, with a pool,
+  /// pool.reserved_mem_current, pool.reserved_mem_high, pool.used_mem_current,
+  /// pool.used_mem_high, pool.front_cache_bytes, pool.calls).
   [[nodiscard]] std::map<std::string, std::int64_t> to_map() const;
 };
 

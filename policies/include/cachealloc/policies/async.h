@@ -69,6 +69,8 @@ class AsyncPolicy {
   [[nodiscard]] std::size_t cached_bytes() const noexcept { return cached_bytes_; }
   [[nodiscard]] std::size_t cache_limit() const noexcept { return cache_limit_; }
   [[nodiscard]] std::uint64_t cache_hits() const noexcept { return cache_hits_; }
+  /// allocate_async + free_async calls so far (each one a driver call on CUDA).
+  [[nodiscard]] std::uint64_t pool_calls() const noexcept { return pool_calls_; }
 
  private:
   struct StreamCache {
@@ -92,6 +94,7 @@ class AsyncPolicy {
   std::size_t live_bytes_ = 0;
   std::size_t reserved_ = 0;  // the pool's reserved_current after our last pool call
   std::uint64_t cache_hits_ = 0;
+  std::uint64_t pool_calls_ = 0;
 };
 
 static_assert(Policy<AsyncPolicy>);
