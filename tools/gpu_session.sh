@@ -115,8 +115,29 @@ gpu_suite_memcheck() {
 }
 
 pytest_tools() {
-  # Plugin tests, async stats vs pool attributes (issue 6), CPU-side tests: a fresh process per check.
-  python3 -m pytest -v -rs -p no:cacheprovider tools/tests 2>&1 | tee "$OUT/pytest.log"
+  # Every pytest of tools/tests, a fresh process per check, in four concurrent groups (the GPU has
+  # room for all; none of them measures device-wide memory): the plugin and async-stats tests
+  # (issues 4, 6), and the LibTorch adapter's tests (issue 7) split by policy. Then the adapter's
+  # Catch2 tests and the sample LibTorch app under each policy.
+  local adapter=(env CACHEALLOC_TORCH_LIBRARY="$B/libcachealloc_torch.so"
+                 CACHEALLOC_LIBTORCH_APP="$B/cachealloc_libtorch_app"
+                 python3 -m pytest -v -rs -p no:cacheprovider tools/tests/test_torch_adapter.py)
+  python3 -m pytest -v -rs -p no:cacheprovider --ignore=tools/tests/test_torch_adapter.py tools/tests \
+    >"$WORK/pytest_plugin.log" 2>&1 &
+  "${adapter[@]}" -k "native" >"$WORK/pytest_adapter_native.log" 2>&1 &
+  "${adapter[@]}" -k "size_class or async" >"$WORK/pytest_adapter_size_class_async.log" 2>&1 &
+  "${adapter[@]}" -k "not (native or size_class or async)" >"$WORK/pytest_adapter_rest.log" 2>&1 &
+  wait
+  cat "$WORK"/pytest_plugin.log "$WORK"/pytest_adapter_*.log >"$OUT/pytest.log"
+  grep -hE "^(FAILED|ERROR)|passed|failed" "$WORK"/pytest_*.log | grep -vE "^tools/" | tail -20
+  echo "== cachealloc_torch_tests"
+  "$B/cachealloc_torch_tests" 2>&1 | tail -5
+  local rc=0
+  for p in native size_class defrag async; do
+    CACHEALLOC_CONF=policy:$p timeout 120 "$B/cachealloc_libtorch_app" >"$WORK/libtorch_app_$p.log" 2>&1
+    r=$?; echo "libtorch_app policy:$p exit $r: $(tail -2 "$WORK/libtorch_app_$p.log" | tr '\n' ' ')"; ((r == 0)) || rc=1
+  done
+  ! grep -qhE "^(FAILED|ERROR) " "$WORK"/pytest_*.log && ((rc == 0))
 }
 
 oom_recovery() {
@@ -181,11 +202,11 @@ echo "gpu_session $stage: budget ${BUDGET}s, logs in $WORK -> $OUT/${stage}_logs
 step setup 90 'grep -E "^torch|NVIDIA|MISSING|pip install" "$L" | head -4' setup
 if [[ $stage == gpu ]]; then
   step gpu_suite_memcheck 280 'grep -E "^gpu_suite:|^memcheck:|All tests passed|failed|ERROR SUMMARY" "$L" | head -5' gpu_suite_memcheck
-  step pytest 240 'tail -1 "$OUT/pytest.log"; grep -cE " (FAILED|ERROR) " "$OUT/pytest.log" | sed "s/^/failed+errors: /"' pytest_tools
-  step oom_recovery 200 'grep -c "\"ok\": true" "$L" | sed "s/$/ recovered/"; grep -E "exit [1-9]" "$L"' oom_recovery
-  step recording 200 'grep -E "^recording:|^trace_plot:|fidelity" "$L"' recording
-  step racecheck 200 'grep -E "RACECHECK SUMMARY|All tests passed|test cases" "$L" | tail -2' racecheck
-  step gpu_bench 330 'grep -c "^RATIO" "$OUT/gpu_bench.md" | sed "s/$/ RATIO lines/"; grep -E "^total:" "$OUT/gpu_bench.md"' gpu_bench
+  step gpu_bench 300 'grep -c "^RATIO" "$OUT/gpu_bench.md" | sed "s/$/ RATIO lines/"; grep -E "^total:" "$OUT/gpu_bench.md"' gpu_bench
+  step pytest 240 'grep -hE "[0-9]+ (passed|failed)" "$WORK"/pytest_*.log | tr "\n" " "; grep -c "exit 0" "$L" | sed "s/$/ apps ok/"' pytest_tools
+  step oom_recovery 150 'grep -c "\"ok\": true" "$L" | sed "s/$/ recovered/"; grep -E "exit [1-9]" "$L"' oom_recovery
+  step recording 120 'grep -E "^recording:|^trace_plot:|fidelity" "$L"' recording
+  step racecheck 150 'grep -E "RACECHECK SUMMARY|All tests passed|test cases" "$L" | tail -2' racecheck
   if [[ -n ${EXTRA_GPU_STEPS:-} ]]; then
     if [[ -f $EXTRA_GPU_STEPS ]]; then
       export EXTRA_GPU_STEPS
