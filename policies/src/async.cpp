@@ -22,7 +22,7 @@ StreamOrderedMemory& require_pool(DeviceBackend& backend) {
 }  // namespace
 
 std::vector<std::string_view> AsyncPolicy::config_keys() {
-  return {"async_cache_mb", "async_release_threshold", "async_reuse_follow_event_dependencies",
+  return {"async_cache_mb", "async_cache_max_block", "async_release_threshold", "async_reuse_follow_event_dependencies",
           "async_reuse_allow_opportunistic", "async_reuse_allow_internal_dependencies"};
 }
 
@@ -30,6 +30,9 @@ AsyncPolicy::AsyncPolicy(DeviceBackend& backend, Config& config)
     : backend_(backend), pool_(require_pool(backend)) {
   if (auto mb = config.take_bytes("async_cache_mb")) {
     cache_limit_ = *mb;
+  }
+  if (auto max = config.take_bytes("async_cache_max_block")) {
+    cache_max_block_ = *max;
   }
   // The CUDA backend already took these keys when it created its pool; taking them again is
   // harmless (same values) and is how the simulated pool gets them.
@@ -108,7 +111,8 @@ Block AsyncPolicy::allocate(std::size_t bytes, StreamId stream) {
 
 void AsyncPolicy::deallocate(Block block, StreamId stream) noexcept {
   live_bytes_ -= block.size;
-  if (cache_limit_ > 0 && block.size <= cache_limit_ - std::min(cache_limit_, cached_bytes_)) {
+  if (block.size <= cache_max_block_ &&
+      block.size <= cache_limit_ - std::min(cache_limit_, cached_bytes_)) {
     try {
       cache(stream).by_size[block.size].push_back(block.ptr);
       cached_bytes_ += block.size;

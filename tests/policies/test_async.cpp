@@ -193,7 +193,7 @@ TEST_CASE("sim pool: attributes are exact and the limit applies", "[async][sim_p
 }
 
 TEST_CASE("async: a front-cache hit makes no pool call", "[async]") {
-  auto [sim, a] = test::make_sim_allocator("async");
+  auto [sim, a] = test::make_sim_allocator("async", {}, "async_cache_max_block:8MB");
   SimStreamPool& pool = pool_of(*sim);
   for (std::size_t size : {512ul, 100000ul, 8ul << 20}) {
     void* p = a->allocate(size, 3);
@@ -220,13 +220,20 @@ TEST_CASE("async: async_cache_mb caps the cache; 0 sends every free to the pool"
   void* p = a->allocate(4096, 0);
   a->deallocate(p);
   CHECK(pool.free_calls() == 1);
-  auto [sim2, b] = test::make_sim_allocator("async", {}, "async_cache_mb:16");
+  auto [sim2, b] = test::make_sim_allocator("async", {}, "async_cache_mb:16,async_cache_max_block:16MB");
   void* x = b->allocate(10 * kMiB, 0);
   void* y = b->allocate(10 * kMiB, 0);
   b->deallocate(x);
   b->deallocate(y);  // over 16 MiB: to the pool
   CHECK(pool_of(*sim2).free_calls() == 1);
   b->check_invariants();
+  auto [sim3, c] = test::make_sim_allocator("async");  // default: blocks over 1 MiB go to the pool
+  void* big = c->allocate(2 * kMiB, 0);
+  void* small = c->allocate(kMiB, 0);
+  c->deallocate(big);
+  c->deallocate(small);
+  CHECK(pool_of(*sim3).free_calls() == 1);
+  c->check_invariants();
 }
 
 TEST_CASE("async: pool keys are forwarded to the simulated pool", "[async]") {
@@ -263,7 +270,7 @@ TEST_CASE("async: out of memory drains the front cache into the pool and retries
   SimOptions opts;
   opts.capacity = 128 * kMiB;
   SimBackend sim(opts);
-  Config c;
+  Config c = Config::parse("async_cache_mb:256,async_cache_max_block:64MB");
   AsyncPolicy policy(sim, c);
   SimStreamPool& pool = pool_of(sim);
   std::vector<Block> blocks;
