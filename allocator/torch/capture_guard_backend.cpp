@@ -8,8 +8,8 @@
 namespace cachealloc::torch_adapter {
 
 CaptureGuardBackend::CaptureGuardBackend(std::unique_ptr<DeviceBackend> inner,
-                                         const std::atomic<int>& captures_underway)
-    : inner_(std::move(inner)), inner_vm_(inner_->virtual_memory()), captures_(captures_underway) {
+                                         const std::atomic<int>& captures_underway, CaptureMode mode)
+    : inner_(std::move(inner)), inner_vm_(inner_->virtual_memory()), captures_(captures_underway), mode_(mode) {
   if (inner_vm_ != nullptr) {
     attach(*this);
   }
@@ -92,6 +92,7 @@ void CaptureGuardBackend::destroy_event(EventId event) noexcept {
 
 void* CaptureGuardBackend::do_reserve(std::size_t bytes) {
   settle();
+  const Relaxed relaxed(*this);
   return inner_->reserve(bytes);
 }
 
@@ -109,6 +110,7 @@ void CaptureGuardBackend::do_release(void* ptr, std::size_t bytes) noexcept {
 
 PhysicalHandle CaptureGuardBackend::do_create_physical(std::size_t bytes) {
   physical_sizes_.reserve(physical_sizes_.size() + 1);  // no allocation after the handle exists
+  const Relaxed relaxed(*this);
   const PhysicalHandle handle = inner_vm_->create_physical(bytes);
   if (handle != 0) {
     physical_sizes_.emplace(handle, bytes);
@@ -124,6 +126,21 @@ void CaptureGuardBackend::do_release_physical(PhysicalHandle handle) noexcept {
   const std::size_t bytes = it->second;
   physical_sizes_.erase(it);
   inner_vm_->release_physical(handle, bytes);
+}
+
+void CaptureGuardBackend::do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) {
+  const Relaxed relaxed(*this);
+  inner_vm_->map(va, bytes, handle);
+}
+
+void CaptureGuardBackend::do_map_run(std::uintptr_t va, std::span<const MapPiece> pieces) {
+  const Relaxed relaxed(*this);
+  inner_vm_->map_run(va, pieces);
+}
+
+void CaptureGuardBackend::do_unmap(std::uintptr_t va, std::size_t bytes) {
+  const Relaxed relaxed(*this);
+  inner_vm_->unmap(va, bytes);
 }
 
 }  // namespace cachealloc::torch_adapter

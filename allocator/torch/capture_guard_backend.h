@@ -18,7 +18,12 @@
 //   * synchronize_event() cannot wait and throws DeviceError (only reached on the out-of-memory
 //     retry path and by empty_cache, which the adapter refuses during capture).
 //   * release() (cudaFree) is deferred to the first backend call after the capture.
-// Virtual-memory calls are forwarded unchanged (cuMemMap/cuMemCreate are legal during capture).
+// Device calls that stay (cudaMalloc, cuMemCreate, cuMemMap, ...) run with this thread's capture
+// mode exchanged to relaxed while a capture is underway (the `CaptureMode` hooks), as PyTorch's
+// allocator does around cudaMalloc: in the default global mode a capture on any thread makes
+// cudaMalloc fail with cudaErrorStreamCaptureUnsupported and invalidates the capture (seen on
+// the H200). Memory a capture allocates is never freed before its graph is released (the
+// private pool keeps it), which is what makes allocating during a capture sound.
 #pragma once
 
 #include <cachealloc/backend.h>
@@ -34,10 +39,18 @@
 
 namespace cachealloc::torch_adapter {
 
+/// Exchanges this thread's CUDA stream-capture mode: relax() switches to relaxed and returns the
+/// previous mode, restore() puts it back. Empty hooks (tests on the simulated device) do nothing.
+struct CaptureMode {
+  int (*relax)() = nullptr;
+  void (*restore)(int previous) = nullptr;
+};
+
 class CaptureGuardBackend final : public DeviceBackend, private VirtualMemory {
  public:
   /// `captures_underway` must outlive the adaptor (the adapter's, which lives forever).
-  CaptureGuardBackend(std::unique_ptr<DeviceBackend> inner, const std::atomic<int>& captures_underway);
+  CaptureGuardBackend(std::unique_ptr<DeviceBackend> inner, const std::atomic<int>& captures_underway,
+                      CaptureMode mode = {});
   ~CaptureGuardBackend() override;
   CaptureGuardBackend(const CaptureGuardBackend&) = delete;
   CaptureGuardBackend& operator=(const CaptureGuardBackend&) = delete;
@@ -85,12 +98,36 @@ class CaptureGuardBackend final : public DeviceBackend, private VirtualMemory {
   void free_address(std::uintptr_t va, std::size_t bytes) noexcept override { inner_vm_->free_address(va, bytes); }
   [[nodiscard]] PhysicalHandle do_create_physical(std::size_t bytes) override;
   void do_release_physical(PhysicalHandle handle) noexcept override;
-  void do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) override { inner_vm_->map(va, bytes, handle); }
-  void do_unmap(std::uintptr_t va, std::size_t bytes) override { inner_vm_->unmap(va, bytes); }
+  void do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) override;
+  void do_map_run(std::uintptr_t va, std::span<const MapPiece> pieces) override;
+  void do_unmap(std::uintptr_t va, std::size_t bytes) override;
+
+  /// Relaxed capture mode for the guard's lifetime while a capture is underway.
+  class Relaxed {
+   public:
+    explicit Relaxed(const CaptureGuardBackend& b) : b_(b), on_(b.capturing() && b.mode_.relax != nullptr) {
+      if (on_) {
+        previous_ = b_.mode_.relax();
+      }
+    }
+    ~Relaxed() {
+      if (on_) {
+        b_.mode_.restore(previous_);
+      }
+    }
+    Relaxed(const Relaxed&) = delete;
+    Relaxed& operator=(const Relaxed&) = delete;
+
+   private:
+    const CaptureGuardBackend& b_;
+    bool on_;
+    int previous_ = 0;
+  };
 
   std::unique_ptr<DeviceBackend> inner_;
   VirtualMemory* inner_vm_;
   const std::atomic<int>& captures_;
+  CaptureMode mode_;
   std::unordered_map<EventId, DeferredEvent> deferred_events_;
   EventId next_deferred_ = 1;
   std::vector<std::pair<void*, std::size_t>> deferred_releases_;

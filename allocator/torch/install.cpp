@@ -21,6 +21,8 @@
 
 #include <cachealloc/errors.h>
 
+#include <cuda_runtime_api.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -59,7 +61,24 @@ void install(const std::string& conf) {
   TorchAllocator* raw = adapter.get();
   plugin::RuntimeHooks hooks;
   hooks.wrap_backend = [raw](std::unique_ptr<DeviceBackend> inner) -> std::unique_ptr<DeviceBackend> {
-    return std::make_unique<torch_adapter::CaptureGuardBackend>(std::move(inner), raw->captures_underway());
+    // Note [Deferred events during capture] (capture_guard_backend.h): device calls that stay
+    // run in relaxed capture mode, through the same CUDA runtime that makes them.
+    torch_adapter::CaptureMode mode;
+    mode.relax = [] {
+      cudaStreamCaptureMode m = cudaStreamCaptureModeRelaxed;
+      if (cudaThreadExchangeStreamCaptureMode(&m) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return -1;
+      }
+      return static_cast<int>(m);
+    };
+    mode.restore = [](int previous) {
+      if (previous >= 0) {
+        auto m = static_cast<cudaStreamCaptureMode>(previous);
+        (void)cudaThreadExchangeStreamCaptureMode(&m);
+      }
+    };
+    return std::make_unique<torch_adapter::CaptureGuardBackend>(std::move(inner), raw->captures_underway(), mode);
   };
   hooks.observer = [raw](int device, AllocatorEvent event, std::uintptr_t addr, std::size_t size, StreamId stream) {
     raw->on_event(device, event, addr, size, stream);

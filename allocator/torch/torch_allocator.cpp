@@ -691,14 +691,29 @@ std::shared_ptr<void> TorchAllocator::getIpcDevPtr(std::string /*handle*/) {
   unsupported("getIpcDevPtr", "CUDA IPC: opening a CUDA tensor of another process");
 }
 
+namespace {
+/// What getCheckpointState hands out (Note [Checkpoints of private pools]).
+struct UnrestorableCheckpoint final : cca::AllocatorState {};
+}  // namespace
+
+// Note [Checkpoints of private pools]
+// CUDA graph trees (torch.compile(mode="reduce-overhead")) take a checkpoint of the graph pool
+// after recording every graph, and restore one only when they start recording a new path from
+// a node already replayed. cachealloc cannot restore a pool's state, so the checkpoint it hands
+// out is a token, and restoring it (setCheckpointPoolState) fails with a message that says so:
+// models whose graphs follow one path per function run; a tree that branches stops with that
+// error instead of running on a wrong pool state.
 std::shared_ptr<cca::AllocatorState> TorchAllocator::getCheckpointState(c10::DeviceIndex /*device*/,
                                                                         c10::MempoolId_t /*id*/) {
-  unsupported("getCheckpointState", "allocator checkpointing for CUDA graph trees");
+  return std::make_shared<UnrestorableCheckpoint>();
 }
 
 cca::CheckpointDelta TorchAllocator::setCheckpointPoolState(c10::DeviceIndex /*device*/,
                                                             std::shared_ptr<cca::AllocatorState> /*pps*/) {
-  unsupported("setCheckpointPoolState", "allocator checkpointing for CUDA graph trees");
+  unsupported("setCheckpointPoolState",
+              "restoring a checkpoint of a CUDA graph pool (CUDA graph trees recording a new path, "
+              "Note [Checkpoints of private pools]); set torch._inductor.config.triton.cudagraph_trees = False "
+              "to use CUDA graphs without trees");
 }
 
 }  // namespace cachealloc::torch_adapter
