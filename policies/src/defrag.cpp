@@ -65,6 +65,8 @@ DefragEngine::DefragEngine(DeviceBackend& backend, const DefragSettings& setting
                                                 : 2 * backend.total_memory();
   va_reserve_ = std::max(page_up(va_reserve_), page_);
   max_chunk_pages_ = std::max<std::size_t>(settings_.max_chunk_bytes / page_, 1);
+  slack_ = settings_.grow_slack;
+  counters_.slack = slack_;
   new_arena(kLarge, page_);
 }
 
@@ -450,6 +452,7 @@ Block DefragEngine::allocate(std::size_t bytes, StreamId stream) {
     return {};
   }
   const std::size_t size = round_up(bytes, kAlignment);
+  ++window_allocations_;
   const std::uint32_t kind =
       settings_.small_size != 0 && size <= settings_.small_size ? kSmall : kLarge;
   const std::uint32_t cls = class_of(stream);
@@ -585,7 +588,7 @@ Node* DefragEngine::carve(Node* f, std::uintptr_t start, std::size_t size, std::
 // ============================================================================ the policy
 
 std::vector<std::string_view> DefragPolicy::config_keys() {
-  return {"va_reserve_gb", "grow_slack", "small_size", "wait_for_streams", "max_chunk_mb"};
+  return {"va_reserve_gb", "grow_slack", "max_grow_slack", "small_size", "wait_for_streams", "max_chunk_mb"};
 }
 
 DefragSettings DefragPolicy::parse_settings(Config& config) {
@@ -596,6 +599,10 @@ DefragSettings DefragPolicy::parse_settings(Config& config) {
   if (auto slack = config.take_double("grow_slack", 0.0, 1.0)) {
     s.grow_slack = *slack;
   }
+  if (auto slack = config.take_double("max_grow_slack", 0.0, 1.0)) {
+    s.max_grow_slack = *slack;
+  }
+  s.max_grow_slack = std::max(s.max_grow_slack, s.grow_slack);
   if (auto small = config.take_bytes("small_size")) {
     if (*small > kGiB) {
       throw ConfigError("CACHEALLOC_CONF: 'small_size' must be at most 1GB, got " +

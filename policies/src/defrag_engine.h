@@ -22,6 +22,14 @@ inline constexpr int kMaxPendingSkips = 32;
 inline constexpr int kUnmappedCandidates = 8;
 /// Unmerged neighbour pairs remembered before the policy closes an epoch on its own.
 inline constexpr std::size_t kDeferredLimit = 4096;
+/// Note [Slack that adapts to moves] (defrag_grow.cpp): after this many growths that moved
+/// pages, the policy checks how many allocations they took...
+inline constexpr std::uint64_t kMoveWindow = 8;
+/// ...and calls the window dense when that was fewer than this many allocations per growth that
+/// moved...
+inline constexpr std::uint64_t kAllocationsPerMove = 128;
+/// ...and raises the slack after this many dense windows in a row.
+inline constexpr std::uint32_t kDenseWindows = 3;
 /// A growth creates about this many chunks (Note [Chunks], defrag_grow.cpp).
 inline constexpr std::size_t kChunksPerGrowth = 16;
 /// With several streams, frees after which the next allocation closes the epoch.
@@ -254,6 +262,13 @@ class DefragEngine {
   std::uint64_t epoch_ = 1;  // the open epoch: frees now are stamped with it
   std::uint32_t frees_in_epoch_ = 0;
   std::vector<Node*> deferred_;  // left halves of unmerged mapped neighbours
+
+  /// Note [Slack that adapts to moves]: the slack in force, and the window it is judged on.
+  double slack_ = 0.0;
+  std::uint64_t window_allocations_ = 0;
+  std::uint64_t window_moves_ = 0;
+  std::uint32_t dense_windows_ = 0;
+  void note_move() noexcept;
 
   std::vector<Chunk> scratch_;
   std::vector<MapPiece> pieces_;  // scratch_ as map_run wants it (kept to reuse its storage)

@@ -28,6 +28,9 @@
 //   grow_slack        how far physical memory may grow beyond the peak live bytes before free
 //                     pages are moved instead of new ones created (fraction, default 0.01; 0
 //                     moves the most pages and holds the least memory)
+//   max_grow_slack    how far the slack may rise when pages keep moving, step after step
+//                     (default 0.08; equal to grow_slack: never rises) (Note [Slack that adapts
+//                     to moves], defrag_grow.cpp)
 //   small_size        requests up to this size go to their own address range, so that small
 //                     long-lived tensors do not pin the pages of large holes (bytes, default
 //                     1MB; 0 = one range for all sizes)
@@ -76,6 +79,7 @@ class DefragEngine;
 struct DefragSettings {
   std::size_t va_reserve_bytes = 0;  ///< 0 = twice the device memory
   double grow_slack = 0.01;
+  double max_grow_slack = 0.08;  ///< how far the slack may rise when pages keep moving
   std::size_t small_size = 1 * kMiB;  ///< 0 = small requests share the large range
   bool wait_for_streams = true;
   std::size_t max_chunk_bytes = 1 * kGiB;  ///< largest physical handle; one page = per-page handles
@@ -94,6 +98,8 @@ struct DefragCounters {
   std::uint64_t events_recorded = 0;   ///< epoch-closing events (one per stream per epoch)
   std::uint64_t stream_waits = 0;      ///< times the policy waited for epoch events
   std::uint64_t address_ranges = 0;    ///< virtual address ranges reserved
+  std::uint64_t slack_raises = 0;      ///< times the slack rose (Note [Slack that adapts to moves])
+  double slack = 0.0;                  ///< the grow slack in force now
 };
 
 /// Where the physical memory held goes (DefragPolicy::breakdown(), O(ranges)).
