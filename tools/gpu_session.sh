@@ -32,7 +32,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 stage=${1:-}
-case $stage in gpu | e2e) ;; *) echo "usage: $0 gpu|e2e" >&2; exit 2 ;; esac
+case $stage in gpu | e2e | final) ;; *) echo "usage: $0 gpu|e2e|final" >&2; exit 2 ;; esac
 
 export OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -44,6 +44,7 @@ export SUMMARY=$OUT/summary.txt STAGE=$stage
 export B=$PWD/gpu-bundle
 export PYTHONUNBUFFERED=1
 export CACHEALLOC_LIBRARY=$B/libcachealloc_plugin.so
+export CACHEALLOC_TORCH_LIBRARY=$B/libcachealloc_torch.so
 TORCH_LIB=$(python3 -c 'import torch,os;print(os.path.join(os.path.dirname(torch.__file__),"lib"))' 2>/dev/null)
 export LD_LIBRARY_PATH=$B${TORCH_LIB:+:$TORCH_LIB}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 SAN=$(command -v compute-sanitizer || { [ -x /usr/local/cuda/bin/compute-sanitizer ] && echo /usr/local/cuda/bin/compute-sanitizer; })
@@ -183,6 +184,18 @@ gpu_bench() {
   return $rc
 }
 
+pytest_adapter() {
+  # The LibTorch adapter's pytest alone, in four concurrent groups (stage final).
+  local adapter=(env CACHEALLOC_LIBTORCH_APP="$B/cachealloc_libtorch_app" python3 -m pytest -v -rs -p no:cacheprovider tools/tests/test_torch_adapter.py)
+  "${adapter[@]}" -k "native" >"$WORK/pytest_adapter_native.log" 2>&1 &
+  "${adapter[@]}" -k "size_class" >"$WORK/pytest_adapter_size_class.log" 2>&1 &
+  "${adapter[@]}" -k "defrag" >"$WORK/pytest_adapter_defrag.log" 2>&1 &
+  "${adapter[@]}" -k "not (native or size_class or defrag)" >"$WORK/pytest_adapter_rest.log" 2>&1 &
+  wait
+  cat "$WORK"/pytest_adapter_*.log >"$OUT/pytest_adapter.log"
+  ! grep -qhE "^(FAILED|ERROR) " "$WORK"/pytest_adapter_*.log
+}
+
 extra_gpu_steps() {
   # shellcheck disable=SC1090
   source "$EXTRA_GPU_STEPS"
@@ -194,7 +207,7 @@ e2e() {
   local left=$((BUDGET - RESERVE - ($(date +%s) - T0)))
   python3 bench/e2e/run_e2e.py --out-dir "$OUT" --reps "${E2E_REPS:-5}" --time-budget-s $((left - 20)) ${E2E_ARGS:-}
 }
-export -f setup gpu_suite_memcheck pytest_tools oom_recovery recording racecheck gpu_bench extra_gpu_steps e2e
+export -f setup gpu_suite_memcheck pytest_tools pytest_adapter oom_recovery recording racecheck gpu_bench extra_gpu_steps e2e
 
 # ---- the stages ----------------------------------------------------------------------------
 
@@ -215,6 +228,11 @@ if [[ $stage == gpu ]]; then
       echo "extra_gpu_steps          skipped: EXTRA_GPU_STEPS=$EXTRA_GPU_STEPS is not a file" | tee -a "$SUMMARY"
     fi
   fi
+elif [[ $stage == final ]]; then
+  # The adapter's tests, then the end-to-end run with what is left (one device call).
+  step pytest_adapter 200 'grep -hE "[0-9]+ (passed|failed)" "$WORK"/pytest_*.log | tr "\n" " "' pytest_adapter
+  step e2e 600 'grep -E "^run_e2e: (round 1|measured steps|[0-9]+ runs)" "$L"; grep -c FAILED "$L" | sed "s/$/ failed runs/"' e2e
+  tail -40 "$WORK/e2e.log"
 else
   step e2e 600 'grep -E "^run_e2e: (round 1|measured steps|[0-9]+ runs)" "$L"; grep -c FAILED "$L" | sed "s/$/ failed runs/"' e2e
   tail -40 "$WORK/e2e.log"

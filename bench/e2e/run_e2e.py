@@ -479,8 +479,9 @@ def fork_safety() -> tuple[bool, str]:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         maps = ""
-    if "libcuda.so" in maps:
-        return False, "libcuda is mapped in the zygote (the CUDA driver may be initialised)"
+    # libcuda may be mapped without being initialised (torch 2.11's libtorch_cuda links it: seen on
+    # the H200); what makes a fork unsafe is cuInit, which torch.cuda.is_initialized() covers for
+    # torch, and every child checks that CUDA works (FORK_POISON_MARKERS fall back to subprocesses).
     if threading.active_count() != 1:
         return False, f"the zygote runs {threading.active_count()} threads"
     return True, "CUDA untouched, libcuda not mapped, one thread"
