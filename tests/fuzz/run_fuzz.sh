@@ -44,10 +44,11 @@ for t in "${TARGETS[@]}"; do
   mkdir -p "$out/corpus" "$out/artifacts"
   cp "$FUZZ_DIR/corpus/$t/"* "$out/corpus/" 2>/dev/null || true
   cp "$FUZZ_DIR/regressions/$t/"* "$out/corpus/" 2>/dev/null || true
+  # -max_len: see Note [Work per fuzz input] in fuzz_entry.h.
   dict=()
   case "$t" in
-    config) dict=(-dict="$FUZZ_DIR/config.dict") ;;
-    snapshot | replay) dict=(-dict="$FUZZ_DIR/snapshot.dict") ;;
+    config) dict=(-dict="$FUZZ_DIR/config.dict" -max_len=512) ;;
+    snapshot | replay) dict=(-dict="$FUZZ_DIR/snapshot.dict" -max_len=16384) ;;
   esac
   limit=(-max_total_time="$SECONDS_PER_TARGET")
   if [ -n "${FUZZ_RUNS:-}" ]; then limit=(-runs="$FUZZ_RUNS"); fi
@@ -55,7 +56,7 @@ for t in "${TARGETS[@]}"; do
   rc=0
   # shellcheck disable=SC2086  # FUZZ_EXTRA is a list of flags
   "$BUILD_DIR/tests/fuzz/fuzz_$t" "$out/corpus" "${limit[@]}" "${dict[@]}" \
-    -max_len=65536 -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
+    -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
     -artifact_prefix="$out/artifacts/" ${FUZZ_EXTRA:-} >"$out/log.txt" 2>&1 || rc=$?
   execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$out/log.txt" | tail -1)
   speed=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$out/log.txt" | tail -1)
