@@ -346,7 +346,7 @@ void fuzz_config_one(const std::uint8_t* data, std::size_t size) {
   }
 }
 
-void fuzz_replay_one(const std::uint8_t* data, std::size_t size) {
+void fuzz_replay_one(const std::uint8_t* data, std::size_t size, std::size_t max_events) {
 #if CACHEALLOC_FUZZ_HAS_REPLAY
   trace::Snapshot snapshot;
   if (refused_with<trace::TraceError>("replay", "parse_snapshot", [&] {
@@ -354,8 +354,8 @@ void fuzz_replay_one(const std::uint8_t* data, std::size_t size) {
       })) {
     return;
   }
-  if (snapshot.events.size() > kMaxReplayEvents) {
-    snapshot.events.resize(kMaxReplayEvents);  // Note [Work per fuzz input]
+  if (snapshot.events.size() > max_events) {
+    snapshot.events.resize(max_events);  // Note [Work per fuzz input]
   }
   replay::PreparedTrace prepared;
   if (refused_with<trace::TraceError>("replay", "replay::prepare",
@@ -376,16 +376,18 @@ void fuzz_replay_one(const std::uint8_t* data, std::size_t size) {
 #else
   (void)data;
   (void)size;
+  (void)max_events;
 #endif
 }
 
-bool fuzz_run_one(std::string_view target, const std::uint8_t* data, std::size_t size) {
+bool fuzz_run_one(std::string_view target, const std::uint8_t* data, std::size_t size,
+                  std::size_t max_replay_events) {
   if (target == "snapshot") {
     fuzz_snapshot_one(data, size);
   } else if (target == "config") {
     fuzz_config_one(data, size);
   } else if (target == "replay") {
-    fuzz_replay_one(data, size);
+    fuzz_replay_one(data, size, max_replay_events);
   } else {
     return false;
   }

@@ -33,8 +33,8 @@ void fuzz_config_one(const std::uint8_t* data, std::size_t size);
 
 /// Bytes -> parse_snapshot -> replay::prepare -> replay::run for every registered policy on a
 /// 1 GiB simulated device, with check_invariants() after every operation. Only the first
-/// kMaxReplayEvents trace events are replayed.
-void fuzz_replay_one(const std::uint8_t* data, std::size_t size);
+/// `max_events` trace events are replayed.
+void fuzz_replay_one(const std::uint8_t* data, std::size_t size, std::size_t max_events);
 
 /// Note [Work per fuzz input]
 /// libFuzzer needs thousands of executions per second to reach a 10M-execution campaign in
@@ -47,13 +47,16 @@ void fuzz_replay_one(const std::uint8_t* data, std::size_t size);
 ///    fit kMaxFuzzValueBytes; the pickle is decoded once and the snapshot built from that value,
 ///    which is exactly parse_snapshot().
 ///  - all: run_fuzz.sh / run_campaign.sh pass -max_len (16 KiB for pickles, 512 B for
-///    configuration text). Real traces of a few hundred events fit; larger stored inputs are
-///    still replayed whole by the regression test.
+///    configuration text). Real traces of a few hundred events fit.
+/// The regression test (tests/trace/test_fuzz_regressions.cpp) replays stored inputs whole,
+/// up to kMaxRegressionReplayEvents events.
 inline constexpr std::size_t kMaxReplayEvents = 256;
+inline constexpr std::size_t kMaxRegressionReplayEvents = 20000;
 inline constexpr std::uint64_t kMaxFuzzDecompressedBytes = std::uint64_t{1} << 20;
 inline constexpr std::uint64_t kMaxFuzzValueBytes = std::uint64_t{16} << 20;
 
 /// Dispatch by target name ("snapshot", "config", "replay"); false for an unknown name.
-bool fuzz_run_one(std::string_view target, const std::uint8_t* data, std::size_t size);
+bool fuzz_run_one(std::string_view target, const std::uint8_t* data, std::size_t size,
+                  std::size_t max_replay_events = kMaxReplayEvents);
 
 }  // namespace cachealloc::fuzz

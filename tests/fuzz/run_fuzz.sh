@@ -5,10 +5,11 @@
 #
 # Environment: BUILD_DIR (default <repo>/build-fuzz), JOBS (build parallelism, default 2),
 # FUZZ_RUNS (if set, -runs=N instead of a time limit), FUZZ_EXTRA (more libFuzzer flags).
-# Each target runs on a COPY of tests/fuzz/corpus/<target> (plus regressions/<target>) inside
-# the build directory; the repository is never written. Crash inputs land in
-# $BUILD_DIR/fuzz-out/<target>/artifacts/. Prints executions, exec/s and coverage per target;
-# exits 1 when any target found a crash (or failed to run).
+# Each target first runs every stored input (regressions/<target>, corpus/<target>) once, whole,
+# then fuzzes a COPY of them inside the build directory; the repository is never written.
+# Crash inputs land in $BUILD_DIR/fuzz-out/<target>/artifacts/. Prints executions, exec/s and
+# coverage per target; exits 1 when a stored input fails or any target found a crash (or
+# failed to run). CI (tools/run_tests.sh) runs it for CACHEALLOC_FUZZ_SECONDS per target.
 set -euo pipefail
 
 SECONDS_PER_TARGET="${1:-30}"
@@ -50,6 +51,21 @@ for t in "${TARGETS[@]}"; do
     config) dict=(-dict="$FUZZ_DIR/config.dict" -max_len=512) ;;
     snapshot | replay) dict=(-dict="$FUZZ_DIR/snapshot.dict" -max_len=16384) ;;
   esac
+  # Every stored input first, each as a whole file (no -max_len truncation): a regression that
+  # is back fails here before any fuzzing.
+  stored=()
+  for f in "$FUZZ_DIR/regressions/$t/"* "$FUZZ_DIR/corpus/$t/"*; do
+    case "$f" in *.md | *"*") ;; *) stored+=("$f") ;; esac
+  done
+  if [ ${#stored[@]} -ne 0 ] && ! "$BUILD_DIR/tests/fuzz/fuzz_$t" -timeout=10 -rss_limit_mb=2048 \
+      "${stored[@]}" >"$out/stored.txt" 2>&1; then
+    tail -60 "$out/stored.txt"
+    line="fuzz_$t: a stored input (regressions/$t or corpus/$t) FAILS, see $out/stored.txt"
+    echo "$line"
+    summary+=("$line")
+    status=1
+    continue
+  fi
   limit=(-max_total_time="$SECONDS_PER_TARGET")
   if [ -n "${FUZZ_RUNS:-}" ]; then limit=(-runs="$FUZZ_RUNS"); fi
   echo "== fuzz_$t: ${limit[*]}"
