@@ -34,6 +34,9 @@ for t in "${TARGETS[@]}"; do build_targets+=("fuzz_$t"); done
 cmake --build "$BUILD_DIR" -j "$JOBS" --target "${build_targets[@]}"
 
 # ASan (with leak checking) and UBSan errors are fatal and end the run with a crash artifact.
+if [ -z "${ASAN_SYMBOLIZER_PATH:-}" ] && [ -x /usr/lib/llvm-14/bin/llvm-symbolizer ]; then
+  export ASAN_SYMBOLIZER_PATH=/usr/lib/llvm-14/bin/llvm-symbolizer
+fi
 export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:symbolize=1}"
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
 
