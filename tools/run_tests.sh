@@ -82,9 +82,11 @@ fi
 # Note [TSan in CI]
 # The whole CPU suite (118 ctest entries) runs under TSan, clean, with no suppressions: every
 # report fails its test. Measured on a 2-core machine shared with other builds (GCC 12,
-# RelWithDebInfo, ctest -j2): 250 s of tests with 50000 random ops, 4 soak passes and every 5th
-# fault; the big ones are the 8-thread stress over all four policies at its full 3000 ops per
-# thread and phase (9 s), the randomized sequences (73 s at 50000 ops; the 1M default would take
-# about 25 min), the fault sweep (39 s at stride 5) and the gpt2 pickle cut at 200 offsets
-# (156 s, no knob). The counts above (10 soak passes, every 3rd fault) add about a minute to
-# that. The TSan build of cachealloc_tests + cachealloc-micro takes about 7 minutes there.
+# RelWithDebInfo, ctest -j2), with the counts above: about 200 s of tests. The big ones: the
+# 8-thread stress over all four policies at its full 3000 ops per thread and phase (4 s), the
+# randomized sequences (48 s at 50000 ops; the 1M default would take about 15 min), the fault
+# sweep (34 s, every 3rd device call), the soak (30 s, 10 passes; the Release stage runs all
+# 100) and the gpt2 pickle cut at 200 offsets (120 s, no knob). A fresh build of
+# cachealloc_tests + cachealloc-micro takes 5-7 minutes there (ASan: 5.4 min).
+# Whole stages measured there: address 463 s (fresh build + 138 s of tests), thread 276 s
+# (19 files rebuilt + tests), fuzz 67 s (built; a fresh fuzz build adds about 1.5 min).
