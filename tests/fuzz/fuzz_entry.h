@@ -46,11 +46,14 @@ void fuzz_replay_one(const std::uint8_t* data, std::size_t size, std::size_t max
 ///    1 MiB as for 4 GiB; the 64 MiB bomb in the corpus still hits it) and a decoded value must
 ///    fit kMaxFuzzValueBytes; the pickle is decoded once and the snapshot built from that value,
 ///    which is exactly parse_snapshot().
-///  - all: run_fuzz.sh / run_campaign.sh pass -max_len (16 KiB for pickles, 512 B for
-///    configuration text). Real traces of a few hundred events fit.
+///  - all: run_fuzz.sh / run_campaign.sh pass -max_len: 32 KiB for replay (the 500-event seed
+///    traces fit; at 16 KiB they were cut and the seeds reached 150 fewer edges), 16 KiB for
+///    snapshot (the larger hostile seeds add 10 edges at 64 KiB), 512 B for configuration text.
+///    With 1024 events (vs 256) the seeds reach 5227 edges, as many as replaying them whole;
+///    at 256, 5156.
 /// The regression test (tests/trace/test_fuzz_regressions.cpp) replays stored inputs whole,
 /// up to kMaxRegressionReplayEvents events.
-inline constexpr std::size_t kMaxReplayEvents = 256;
+inline constexpr std::size_t kMaxReplayEvents = 1024;
 inline constexpr std::size_t kMaxRegressionReplayEvents = 20000;
 inline constexpr std::uint64_t kMaxFuzzDecompressedBytes = std::uint64_t{1} << 20;
 inline constexpr std::uint64_t kMaxFuzzValueBytes = std::uint64_t{16} << 20;

@@ -73,7 +73,8 @@ for t in "${TARGETS[@]}"; do
   # -max_len: Note [Work per fuzz input] in fuzz_entry.h.
   case "$t" in
     config) flags=(-dict="$DATA_DIR/config.dict" -max_len=512) ;;
-    *) flags=(-dict="$DATA_DIR/snapshot.dict" -max_len=16384) ;;
+    snapshot) flags=(-dict="$DATA_DIR/snapshot.dict" -max_len=16384) ;;
+    *) flags=(-dict="$DATA_DIR/snapshot.dict" -max_len=32768) ;;
   esac
   if [ -n "${MAX_SECONDS:-}" ]; then flags+=(-max_total_time="$MAX_SECONDS"); fi
   echo "== fuzz_$t: $WORKERS workers x $per_worker executions${MAX_SECONDS:+, at most $MAX_SECONDS s} ($(date -u +%H:%M:%S) UTC)"

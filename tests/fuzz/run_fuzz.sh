@@ -52,7 +52,8 @@ for t in "${TARGETS[@]}"; do
   dict=()
   case "$t" in
     config) dict=(-dict="$FUZZ_DIR/config.dict" -max_len=512) ;;
-    snapshot | replay) dict=(-dict="$FUZZ_DIR/snapshot.dict" -max_len=16384) ;;
+    snapshot) dict=(-dict="$FUZZ_DIR/snapshot.dict" -max_len=16384) ;;
+    replay) dict=(-dict="$FUZZ_DIR/snapshot.dict" -max_len=32768) ;;
   esac
   # Every stored input first, each as a whole file (no -max_len truncation): a regression that
   # is back fails here before any fuzzing.
