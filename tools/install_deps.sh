@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # install_deps.sh: installs what cachealloc needs on a fresh Debian 12 machine (run as root).
 # Debian packages: compilers, CMake, spdlog, Catch2 v2, Google Benchmark, nlohmann-json, CLI11,
-# liblzma; and, unless CACHEALLOC_SKIP_TORCH=1, PyTorch 2.11 from PyPI (its LibTorch headers and
+# liblzma; clang-14 with its compiler-rt (libFuzzer and the sanitizer runtimes: the fuzz stage of
+# run_tests.sh) and llvm-14 (llvm-symbolizer, for readable sanitizer reports); and, unless CACHEALLOC_SKIP_TORCH=1, PyTorch 2.11 from PyPI (its LibTorch headers and
 # CMake config build the PyTorch plugin and adapter). The CUDA toolkit is expected at
 # /usr/local/cuda (without it the CUDA parts are skipped and everything else builds).
 set -euo pipefail
 need=()
 for pkg in build-essential cmake libspdlog-dev catch2 libbenchmark-dev nlohmann-json3-dev \
-           libcli11-dev liblzma-dev xz-utils; do
+           libcli11-dev liblzma-dev xz-utils clang-14 libclang-rt-14-dev llvm-14; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 if ((${#need[@]})); then

@@ -44,8 +44,11 @@
 namespace cachealloc::fuzz {
 namespace {
 
-constexpr std::uint64_t kMaxDecompressedBytes = std::uint64_t{16} << 20;
 constexpr std::size_t kSimCapacity = std::size_t{1} << 30;
+/// The config target's device: small enough that a few allocations (sizes in
+/// exercise_allocator, up to 300 MiB) run it out of memory and that the invariant checks,
+/// which walk every mapped page, stay cheap (Note [Work per fuzz input]).
+constexpr std::size_t kConfigSimCapacity = std::size_t{256} << 20;
 
 [[noreturn]] void finding(const char* target, const std::string& what) {
 #ifdef CACHEALLOC_FUZZ_THROW_FINDINGS
@@ -108,11 +111,13 @@ std::string snapshot_difference(const trace::Snapshot& a, const trace::Snapshot&
   return {};
 }
 
-/// parse_snapshot, then write_snapshot_pickle -> parse_snapshot must give the same snapshot.
-void snapshot_checks(std::span<const std::byte> pickle) {
+/// snapshot_from_value on the decoded pickle (together: parse_snapshot), then
+/// write_snapshot_pickle -> parse_snapshot must give the same snapshot.
+void snapshot_checks(const trace::Value& value, std::size_t pickle_bytes) {
   trace::Snapshot snapshot;
-  if (refused_with<trace::TraceError>("snapshot", "parse_snapshot",
-                                      [&] { snapshot = trace::parse_snapshot(pickle, "<fuzz>"); })) {
+  if (refused_with<trace::TraceError>("snapshot", "snapshot_from_value", [&] {
+        snapshot = trace::snapshot_from_value(value, "<fuzz>", pickle_bytes);
+      })) {
     return;
   }
   std::string written;
@@ -148,20 +153,22 @@ bool tree_fits(const trace::Value& value, std::uint64_t& budget) {
   return true;
 }
 
-/// decode_pickle, then encode_pickle -> decode_pickle must give an equal Value.
+/// decode_pickle, then encode_pickle -> decode_pickle must give an equal Value; then the
+/// snapshot checks on the same value (the pickle is decoded once: Note [Work per fuzz input]).
 ///
 /// encode_pickle memoizes only short strings, so a value whose containers are shared through
 /// the memo (hostile_shared_device_traces.pickle: 42 KB) is written out as its full tree, which
 /// can be exponentially large; such values skip the round trip (limit: 1M tree nodes).
-void pickle_checks(std::span<const std::byte> pickle) {
+void pickle_and_snapshot_checks(std::span<const std::byte> pickle) {
   trace::DecodeOptions options;
   options.source_name = "<fuzz>";
-  options.max_value_bytes = std::uint64_t{256} << 20;
+  options.max_value_bytes = kMaxFuzzValueBytes;
   trace::Value value;
   if (refused_with<trace::TraceError>("snapshot", "decode_pickle",
                                       [&] { value = trace::decode_pickle(pickle, options); })) {
     return;
   }
+  snapshot_checks(value, pickle.size());
   if (std::uint64_t budget = 1'000'000; !tree_fits(value, budget)) {
     return;
   }
@@ -277,19 +284,17 @@ void fuzz_snapshot_one(const std::uint8_t* data, std::size_t size) {
   if (trace::detail::has_xz_magic(input)) {
     std::vector<std::byte> plain;
     if (refused_with<trace::TraceError>("snapshot", "xz_decompress", [&] {
-          plain = trace::detail::xz_decompress(input, kMaxDecompressedBytes, "<fuzz.xz>");
+          plain = trace::detail::xz_decompress(input, kMaxFuzzDecompressedBytes, "<fuzz.xz>");
         })) {
       return;
     }
-    if (plain.size() > kMaxDecompressedBytes) {
+    if (plain.size() > kMaxFuzzDecompressedBytes) {
       finding("snapshot", "xz_decompress exceeded max_output_bytes");
     }
-    snapshot_checks(plain);
-    pickle_checks(plain);
+    pickle_and_snapshot_checks(plain);
     return;
   }
-  snapshot_checks(input);
-  pickle_checks(input);
+  pickle_and_snapshot_checks(input);
 }
 
 void fuzz_config_one(const std::uint8_t* data, std::size_t size) {
@@ -324,7 +329,7 @@ void fuzz_config_one(const std::uint8_t* data, std::size_t size) {
     const bool refused = refused_with<ConfigError>("config", "make_allocator", [&] {
       (void)config.take_string("policy");
       SimOptions options;
-      options.capacity = kSimCapacity;
+      options.capacity = kConfigSimCapacity;
       options.auto_complete_events = true;
       allocator = make_allocator(info.name, std::make_unique<SimBackend>(options), config);
       std::vector<std::string_view> valid = front_end_config_keys();
@@ -341,7 +346,7 @@ void fuzz_config_one(const std::uint8_t* data, std::size_t size) {
   }
 }
 
-void fuzz_replay_one(const std::uint8_t* data, std::size_t size) {
+void fuzz_replay_one(const std::uint8_t* data, std::size_t size, std::size_t max_events) {
 #if CACHEALLOC_FUZZ_HAS_REPLAY
   trace::Snapshot snapshot;
   if (refused_with<trace::TraceError>("replay", "parse_snapshot", [&] {
@@ -349,13 +354,14 @@ void fuzz_replay_one(const std::uint8_t* data, std::size_t size) {
       })) {
     return;
   }
-  if (snapshot.events.size() > kMaxReplayOps) return;
+  if (snapshot.events.size() > max_events) {
+    snapshot.events.resize(max_events);  // Note [Work per fuzz input]
+  }
   replay::PreparedTrace prepared;
   if (refused_with<trace::TraceError>("replay", "replay::prepare",
                                       [&] { prepared = replay::prepare(snapshot, "fuzz"); })) {
     return;
   }
-  if (prepared.ops.size() > kMaxReplayOps) return;
   replay::ReplayOptions options;
   options.capacity = kSimCapacity;
   options.check_every = 1;
@@ -370,16 +376,18 @@ void fuzz_replay_one(const std::uint8_t* data, std::size_t size) {
 #else
   (void)data;
   (void)size;
+  (void)max_events;
 #endif
 }
 
-bool fuzz_run_one(std::string_view target, const std::uint8_t* data, std::size_t size) {
+bool fuzz_run_one(std::string_view target, const std::uint8_t* data, std::size_t size,
+                  std::size_t max_replay_events) {
   if (target == "snapshot") {
     fuzz_snapshot_one(data, size);
   } else if (target == "config") {
     fuzz_config_one(data, size);
   } else if (target == "replay") {
-    fuzz_replay_one(data, size);
+    fuzz_replay_one(data, size, max_replay_events);
   } else {
     return false;
   }

@@ -22,22 +22,44 @@ struct FuzzFinding {
   std::string what;
 };
 
-/// Bytes -> trace::parse_snapshot (and the xz path when the input starts with the xz magic),
-/// then the pickle and snapshot round trips. Only trace::TraceError may escape the library.
+/// Bytes -> decode_pickle -> snapshot_from_value (what trace::parse_snapshot runs), and the xz
+/// path when the input starts with the xz magic; then the pickle and snapshot round trips.
+/// Only trace::TraceError may escape the library.
 void fuzz_snapshot_one(const std::uint8_t* data, std::size_t size);
 
 /// Bytes as CACHEALLOC_CONF text -> Config::parse, the typed getters, to_string() round trip,
-/// and make_allocator() for every registered policy on a small simulated device.
+/// and make_allocator() for every registered policy on a 256 MiB simulated device.
 void fuzz_config_one(const std::uint8_t* data, std::size_t size);
 
 /// Bytes -> parse_snapshot -> replay::prepare -> replay::run for every registered policy on a
-/// 1 GiB simulated device, with check_invariants() after every operation.
-void fuzz_replay_one(const std::uint8_t* data, std::size_t size);
+/// 1 GiB simulated device, with check_invariants() after every operation. Only the first
+/// `max_events` trace events are replayed.
+void fuzz_replay_one(const std::uint8_t* data, std::size_t size, std::size_t max_events);
 
-/// Traces with more operations than this are skipped by fuzz_replay_one (exec speed).
-inline constexpr std::size_t kMaxReplayOps = 20000;
+/// Note [Work per fuzz input]
+/// libFuzzer needs thousands of executions per second to reach a 10M-execution campaign in
+/// hours, so each target bounds the work one input can cause, whatever its size:
+///  - replay: the first kMaxReplayEvents events of a trace are replayed (a prefix of a recording
+///    is a recording that stopped early); every op is still followed by check_invariants() on
+///    every policy. Longer traces used to be skipped outright; now their prefix is replayed.
+///  - snapshot: xz output is capped at kMaxFuzzDecompressedBytes (the cap logic is the same for
+///    1 MiB as for 4 GiB; the 64 MiB bomb in the corpus still hits it) and a decoded value must
+///    fit kMaxFuzzValueBytes; the pickle is decoded once and the snapshot built from that value,
+///    which is exactly parse_snapshot().
+///  - all: run_fuzz.sh / run_campaign.sh pass -max_len: 32 KiB for replay (the 500-event seed
+///    traces fit; at 16 KiB they were cut and the seeds reached 150 fewer edges), 16 KiB for
+///    snapshot (the larger hostile seeds add 10 edges at 64 KiB), 512 B for configuration text.
+///    With 1024 events (vs 256) the seeds reach 5227 edges, as many as replaying them whole;
+///    at 256, 5156.
+/// The regression test (tests/trace/test_fuzz_regressions.cpp) replays stored inputs whole,
+/// up to kMaxRegressionReplayEvents events.
+inline constexpr std::size_t kMaxReplayEvents = 1024;
+inline constexpr std::size_t kMaxRegressionReplayEvents = 20000;
+inline constexpr std::uint64_t kMaxFuzzDecompressedBytes = std::uint64_t{1} << 20;
+inline constexpr std::uint64_t kMaxFuzzValueBytes = std::uint64_t{16} << 20;
 
 /// Dispatch by target name ("snapshot", "config", "replay"); false for an unknown name.
-bool fuzz_run_one(std::string_view target, const std::uint8_t* data, std::size_t size);
+bool fuzz_run_one(std::string_view target, const std::uint8_t* data, std::size_t size,
+                  std::size_t max_replay_events = kMaxReplayEvents);
 
 }  // namespace cachealloc::fuzz

@@ -7,6 +7,6 @@
 #include "fuzz_entry.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  cachealloc::fuzz::fuzz_replay_one(data, size);
+  cachealloc::fuzz::fuzz_replay_one(data, size, cachealloc::fuzz::kMaxReplayEvents);
   return 0;
 }

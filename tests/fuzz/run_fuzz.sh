@@ -5,10 +5,11 @@
 #
 # Environment: BUILD_DIR (default <repo>/build-fuzz), JOBS (build parallelism, default 2),
 # FUZZ_RUNS (if set, -runs=N instead of a time limit), FUZZ_EXTRA (more libFuzzer flags).
-# Each target runs on a COPY of tests/fuzz/corpus/<target> (plus regressions/<target>) inside
-# the build directory; the repository is never written. Crash inputs land in
-# $BUILD_DIR/fuzz-out/<target>/artifacts/. Prints executions, exec/s and coverage per target;
-# exits 1 when any target found a crash (or failed to run).
+# Each target first runs every stored input (regressions/<target>, corpus/<target>) once, whole,
+# then fuzzes a COPY of them inside the build directory; the repository is never written.
+# Crash inputs land in $BUILD_DIR/fuzz-out/<target>/artifacts/. Prints executions, exec/s and
+# coverage per target; exits 1 when a stored input fails or any target found a crash (or
+# failed to run). CI (tools/run_tests.sh) runs it for CACHEALLOC_FUZZ_SECONDS per target.
 set -euo pipefail
 
 SECONDS_PER_TARGET="${1:-30}"
@@ -33,6 +34,9 @@ for t in "${TARGETS[@]}"; do build_targets+=("fuzz_$t"); done
 cmake --build "$BUILD_DIR" -j "$JOBS" --target "${build_targets[@]}"
 
 # ASan (with leak checking) and UBSan errors are fatal and end the run with a crash artifact.
+if [ -z "${ASAN_SYMBOLIZER_PATH:-}" ] && [ -x /usr/lib/llvm-14/bin/llvm-symbolizer ]; then
+  export ASAN_SYMBOLIZER_PATH=/usr/lib/llvm-14/bin/llvm-symbolizer
+fi
 export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:symbolize=1}"
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
 
@@ -44,18 +48,35 @@ for t in "${TARGETS[@]}"; do
   mkdir -p "$out/corpus" "$out/artifacts"
   cp "$FUZZ_DIR/corpus/$t/"* "$out/corpus/" 2>/dev/null || true
   cp "$FUZZ_DIR/regressions/$t/"* "$out/corpus/" 2>/dev/null || true
+  # -max_len: see Note [Work per fuzz input] in fuzz_entry.h.
   dict=()
   case "$t" in
-    config) dict=(-dict="$FUZZ_DIR/config.dict") ;;
-    snapshot | replay) dict=(-dict="$FUZZ_DIR/snapshot.dict") ;;
+    config) dict=(-dict="$FUZZ_DIR/config.dict" -max_len=512) ;;
+    snapshot) dict=(-dict="$FUZZ_DIR/snapshot.dict" -max_len=16384) ;;
+    replay) dict=(-dict="$FUZZ_DIR/snapshot.dict" -max_len=32768) ;;
   esac
+  # Every stored input first, each as a whole file (no -max_len truncation): a regression that
+  # is back fails here before any fuzzing.
+  stored=()
+  for f in "$FUZZ_DIR/regressions/$t/"* "$FUZZ_DIR/corpus/$t/"*; do
+    case "$f" in *.md | *"*") ;; *) stored+=("$f") ;; esac
+  done
+  if [ ${#stored[@]} -ne 0 ] && ! "$BUILD_DIR/tests/fuzz/fuzz_$t" -timeout=10 -rss_limit_mb=2048 \
+      "${stored[@]}" >"$out/stored.txt" 2>&1; then
+    tail -60 "$out/stored.txt"
+    line="fuzz_$t: a stored input (regressions/$t or corpus/$t) FAILS, see $out/stored.txt"
+    echo "$line"
+    summary+=("$line")
+    status=1
+    continue
+  fi
   limit=(-max_total_time="$SECONDS_PER_TARGET")
   if [ -n "${FUZZ_RUNS:-}" ]; then limit=(-runs="$FUZZ_RUNS"); fi
   echo "== fuzz_$t: ${limit[*]}"
   rc=0
   # shellcheck disable=SC2086  # FUZZ_EXTRA is a list of flags
   "$BUILD_DIR/tests/fuzz/fuzz_$t" "$out/corpus" "${limit[@]}" "${dict[@]}" \
-    -max_len=65536 -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
+    -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
     -artifact_prefix="$out/artifacts/" ${FUZZ_EXTRA:-} >"$out/log.txt" 2>&1 || rc=$?
   execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$out/log.txt" | tail -1)
   speed=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$out/log.txt" | tail -1)

@@ -54,7 +54,8 @@ std::size_t replay_target(const std::string& target) {
       ++ran;
       bool known_target = false;
       try {
-        known_target = cachealloc::fuzz::fuzz_run_one(target, bytes.data(), bytes.size());
+        known_target = cachealloc::fuzz::fuzz_run_one(
+            target, bytes.data(), bytes.size(), cachealloc::fuzz::kMaxRegressionReplayEvents);
       } catch (const cachealloc::fuzz::FuzzFinding& f) {
         FAIL_CHECK(f.what);
         continue;
