@@ -7,6 +7,7 @@ printing PASS / SKIP / FAIL per test.
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import subprocess
@@ -87,8 +88,9 @@ def autoload_installed() -> bool:
     return any((Path(d) / "cachealloc_autoload.pth").is_file() for d in dirs)
 
 
+@functools.lru_cache(maxsize=None)
 def cuda_device_count() -> int:
-    """GPUs visible, asked in a child process so that this one never initialises CUDA."""
+    """GPUs visible, asked once, in a child process so that this one never initialises CUDA."""
     code = "import torch; print(torch.cuda.device_count() if torch.version.cuda else 0)"
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
@@ -96,6 +98,21 @@ def cuda_device_count() -> int:
         return int(out.stdout.strip().splitlines()[-1])
     except Exception:
         return 0
+
+
+def need_gpu() -> None:
+    """Skips the test, visibly, when no CUDA device is visible."""
+    if cuda_device_count() == 0:
+        skip("no CUDA device visible: GPU tests need one")
+
+
+def need_plugin_gpu() -> str:
+    """The plugin library's path; skips the test when it is not built or there is no GPU."""
+    lib = plugin_library()
+    if lib is None:
+        skip("libcachealloc_plugin.so is not built (cmake with LibTorch, see README.md)")
+    need_gpu()
+    return lib
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -27,23 +27,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _support import TRAIN_SCRIPT, cuda_device_count, plugin_library, run_python, skip  # noqa: E402
+from _support import TRAIN_SCRIPT, need_plugin_gpu, run_python  # noqa: E402
 
-_GPU_COUNT: int | None = None
 POOL_KEYS = ("pool.reserved_mem_current", "pool.reserved_mem_high", "pool.used_mem_current", "pool.used_mem_high",
              "pool.front_cache_bytes", "pool.calls")
-
-
-def _need_gpu() -> str:
-    global _GPU_COUNT
-    lib = plugin_library()
-    if lib is None:
-        skip("libcachealloc_plugin.so is not built (cmake with LibTorch, see README.md)")
-    if _GPU_COUNT is None:
-        _GPU_COUNT = cuda_device_count()
-    if _GPU_COUNT == 0:
-        skip("no CUDA device visible: GPU tests need one")
-    return lib
 
 
 def _stats_lines(stdout: str) -> dict[str, dict]:
@@ -76,7 +63,7 @@ _PRELUDE = (
 
 
 def test_async_stats_agree_with_the_pool_while_tensors_live_and_after_freeing():
-    lib = _need_gpu()
+    lib = need_plugin_gpu()
     body = (
         "side = torch.cuda.Stream()\n"
         "keep = [torch.empty(n, dtype=torch.uint8, device='cuda') for n in (512, 3000, 100_000, 3 << 20, 40 << 20)]\n"
@@ -111,7 +98,7 @@ def test_async_stats_agree_with_the_pool_while_tensors_live_and_after_freeing():
 
 
 def test_async_stats_agree_with_the_pool_after_training():
-    lib = _need_gpu()
+    lib = need_plugin_gpu()
     body = (
         "import runpy, sys\n"
         f"sys.argv = [{str(TRAIN_SCRIPT)!r}, '--steps', '30']\n"

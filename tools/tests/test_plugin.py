@@ -24,26 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _support import (  # noqa: E402
     TRAIN_SCRIPT,
     autoload_prefix,
-    cuda_device_count,
+    need_plugin_gpu,
     parametrize,
     plugin_library,
     run_python,
-    skip,
 )
 
-_GPU_COUNT: int | None = None
-
-
-def _need_gpu() -> str:
-    global _GPU_COUNT
-    lib = plugin_library()
-    if lib is None:
-        skip("libcachealloc_plugin.so is not built (cmake with LibTorch, see README.md)")
-    if _GPU_COUNT is None:
-        _GPU_COUNT = cuda_device_count()
-    if _GPU_COUNT == 0:
-        skip("no CUDA device visible: GPU tests need one")
-    return lib
 
 
 def _policies() -> list[str]:
@@ -71,7 +57,7 @@ def _last_json(stdout: str, tag: str) -> dict:
 
 
 def test_unmodified_training_script_under_cachealloc():
-    lib = _need_gpu()
+    lib = need_plugin_gpu()
     with tempfile.TemporaryDirectory() as d:
         trace = Path(d) / "trace.pickle"
         code = (
@@ -102,7 +88,7 @@ def test_unmodified_training_script_under_cachealloc():
 
 
 def test_out_of_memory_raises_torch_error_and_process_recovers():
-    lib = _need_gpu()
+    lib = need_plugin_gpu()
     body = (
         "total = torch.cuda.get_device_properties(0).total_memory\n"
         "keep = torch.ones(1 << 20, device='cuda')\n"
@@ -125,7 +111,7 @@ def test_out_of_memory_raises_torch_error_and_process_recovers():
 
 
 def test_empty_cache_lowers_reserved():
-    lib = _need_gpu()
+    lib = need_plugin_gpu()
     body = (
         "xs = [torch.empty(64 << 20, dtype=torch.uint8, device='cuda') for _ in range(8)]\n"
         "del xs\n"
@@ -141,7 +127,7 @@ def test_empty_cache_lowers_reserved():
 
 
 def test_record_stream_defers_reuse_until_the_stream_is_done():
-    lib = _need_gpu()
+    lib = need_plugin_gpu()
     body = (
         "side = torch.cuda.Stream()\n"
         "main = torch.cuda.current_stream()\n"
@@ -166,7 +152,7 @@ def test_record_stream_defers_reuse_until_the_stream_is_done():
 
 
 def test_memory_fraction_limits_allocations():
-    lib = _need_gpu()
+    lib = need_plugin_gpu()
     body = (
         "total = torch.cuda.get_device_properties(0).total_memory\n"
         "torch.cuda.set_per_process_memory_fraction(0.1)\n"
@@ -184,7 +170,7 @@ def test_memory_fraction_limits_allocations():
 
 
 def test_bad_config_stops_import_torch_with_the_key_named():
-    lib = _need_gpu()
+    lib = need_plugin_gpu()
     r = run_python(autoload_prefix() + "import torch\nprint('IMPORTED')\n",
                    CACHEALLOC_CONF="policy:size_class,bogus_key:1", CACHEALLOC_LIBRARY=lib)
     assert r.returncode != 0 and "IMPORTED" not in r.stdout
@@ -192,7 +178,7 @@ def test_bad_config_stops_import_torch_with_the_key_named():
 
 
 def test_threads_allocate_concurrently():
-    lib = _need_gpu()
+    lib = need_plugin_gpu()
     body = (
         "import threading\n"
         "errors = []\n"
@@ -219,7 +205,7 @@ def test_threads_allocate_concurrently():
 
 
 def test_dump_snapshot_on_demand():
-    lib = _need_gpu()
+    lib = need_plugin_gpu()
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "snap.pickle"
         body = (
@@ -237,7 +223,7 @@ def test_dump_snapshot_on_demand():
 
 @parametrize("policy", _policies())
 def test_every_registered_policy_trains(policy):
-    lib = _need_gpu()
+    lib = need_plugin_gpu()
     code = (
         f"import torch, cachealloc, json, runpy, sys\n"
         f"cachealloc.enable('policy:{policy}')\n"

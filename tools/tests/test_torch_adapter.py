@@ -30,7 +30,7 @@ from _support import (  # noqa: E402
     TOOLS,
     autoload_prefix,
     clean_env,
-    cuda_device_count,
+    need_gpu,
     parametrize,
     run_python,
     skip,
@@ -38,9 +38,6 @@ from _support import (  # noqa: E402
 
 POLICIES = ["native", "size_class", "defrag", "async"]
 GRAPH_POLICIES = ["native", "size_class", "defrag"]  # policy:async refuses graphs (see README)
-
-_GPU_COUNT: int | None = None
-
 
 def _adapter_library() -> str:
     env = os.environ.get("CACHEALLOC_TORCH_LIBRARY")
@@ -61,12 +58,8 @@ def _adapter_library() -> str:
 
 
 def _need_gpu() -> str:
-    global _GPU_COUNT
     lib = _adapter_library()
-    if _GPU_COUNT is None:
-        _GPU_COUNT = cuda_device_count()
-    if _GPU_COUNT == 0:
-        skip("no CUDA device visible: GPU tests need one")
+    need_gpu()
     return lib
 
 
