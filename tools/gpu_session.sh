@@ -115,19 +115,24 @@ gpu_suite_memcheck() {
   return $rc
 }
 
-pytest_tools() {
-  # Every pytest of tools/tests, a fresh process per check, in four concurrent groups (the GPU has
-  # room for all; none of them measures device-wide memory): the plugin and async-stats tests
-  # (issues 4, 6), and the LibTorch adapter's tests (issue 7) split by policy. Then the adapter's
-  # Catch2 tests and the sample LibTorch app under each policy.
+# Starts the LibTorch adapter's pytest (issue 7) in the background, in four groups split by policy
+# (a fresh process per check; the GPU has room for all, and none measures device-wide memory).
+start_adapter_pytest() {
   local adapter=(env CACHEALLOC_TORCH_LIBRARY="$B/libcachealloc_torch.so"
                  CACHEALLOC_LIBTORCH_APP="$B/cachealloc_libtorch_app"
                  python3 -m pytest -v -rs -p no:cacheprovider tools/tests/test_torch_adapter.py)
+  "${adapter[@]}" -k "native" >"$WORK/pytest_adapter_native.log" 2>&1 &
+  "${adapter[@]}" -k "size_class" >"$WORK/pytest_adapter_size_class.log" 2>&1 &
+  "${adapter[@]}" -k "defrag" >"$WORK/pytest_adapter_defrag.log" 2>&1 &
+  "${adapter[@]}" -k "not (native or size_class or defrag)" >"$WORK/pytest_adapter_rest.log" 2>&1 &
+}
+
+pytest_tools() {
+  # Every pytest of tools/tests at once: the plugin and async-stats tests (issues 4, 6) beside the
+  # adapter's groups. Then the adapter's Catch2 tests and the sample LibTorch app under each policy.
   python3 -m pytest -v -rs -p no:cacheprovider --ignore=tools/tests/test_torch_adapter.py tools/tests \
     >"$WORK/pytest_plugin.log" 2>&1 &
-  "${adapter[@]}" -k "native" >"$WORK/pytest_adapter_native.log" 2>&1 &
-  "${adapter[@]}" -k "size_class or async" >"$WORK/pytest_adapter_size_class_async.log" 2>&1 &
-  "${adapter[@]}" -k "not (native or size_class or async)" >"$WORK/pytest_adapter_rest.log" 2>&1 &
+  start_adapter_pytest
   wait
   cat "$WORK"/pytest_plugin.log "$WORK"/pytest_adapter_*.log >"$OUT/pytest.log"
   grep -hE "^(FAILED|ERROR)|passed|failed" "$WORK"/pytest_*.log | grep -vE "^tools/" | tail -20
@@ -185,12 +190,8 @@ gpu_bench() {
 }
 
 pytest_adapter() {
-  # The LibTorch adapter's pytest alone, in four concurrent groups (stage final).
-  local adapter=(env CACHEALLOC_LIBTORCH_APP="$B/cachealloc_libtorch_app" python3 -m pytest -v -rs -p no:cacheprovider tools/tests/test_torch_adapter.py)
-  "${adapter[@]}" -k "native" >"$WORK/pytest_adapter_native.log" 2>&1 &
-  "${adapter[@]}" -k "size_class" >"$WORK/pytest_adapter_size_class.log" 2>&1 &
-  "${adapter[@]}" -k "defrag" >"$WORK/pytest_adapter_defrag.log" 2>&1 &
-  "${adapter[@]}" -k "not (native or size_class or defrag)" >"$WORK/pytest_adapter_rest.log" 2>&1 &
+  # The LibTorch adapter's pytest alone (stage final).
+  start_adapter_pytest
   wait
   cat "$WORK"/pytest_adapter_*.log >"$OUT/pytest_adapter.log"
   ! grep -qhE "^(FAILED|ERROR) " "$WORK"/pytest_adapter_*.log
@@ -207,7 +208,7 @@ e2e() {
   local left=$((BUDGET - RESERVE - ($(date +%s) - T0)))
   python3 bench/e2e/run_e2e.py --out-dir "$OUT" --reps "${E2E_REPS:-5}" --time-budget-s $((left - 20)) ${E2E_ARGS:-}
 }
-export -f setup gpu_suite_memcheck pytest_tools pytest_adapter oom_recovery recording racecheck gpu_bench extra_gpu_steps e2e
+export -f setup gpu_suite_memcheck start_adapter_pytest pytest_tools pytest_adapter oom_recovery recording racecheck gpu_bench extra_gpu_steps e2e
 
 # ---- the stages ----------------------------------------------------------------------------
 
