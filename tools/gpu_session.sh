@@ -7,6 +7,9 @@
 #                                   # racecheck, micro benchmarks + GPU replays (issue 8),
 #                                   # then the file named by EXTRA_GPU_STEPS, if any   (~6-8 min)
 #   bash tools/gpu_session.sh e2e   # bench/e2e/run_e2e.py, 5 interleaved repetitions (~8-9 min)
+#   bash tools/gpu_session.sh fuzz  # the three 10M-execution fuzz campaigns side by side (carry
+#                                   # fuzz-bundle), and the e2e workloads recorded as snapshots
+#                                   # in $OUT/traces (tools/scripts/record_e2e_traces.py) (~9 min)
 #
 # Device calls (binaries prebuilt here by tools/make_gpu_bundle.sh, carried; no device time goes
 # to compiling):
@@ -32,7 +35,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 stage=${1:-}
-case $stage in gpu | e2e | final) ;; *) echo "usage: $0 gpu|e2e|final" >&2; exit 2 ;; esac
+case $stage in gpu | e2e | final | fuzz) ;; *) echo "usage: $0 gpu|e2e|final|fuzz" >&2; exit 2 ;; esac
 
 export OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -208,7 +211,32 @@ e2e() {
   local left=$((BUDGET - RESERVE - ($(date +%s) - T0)))
   python3 bench/e2e/run_e2e.py --out-dir "$OUT" --reps "${E2E_REPS:-5}" --time-budget-s $((left - 20)) ${E2E_ARGS:-}
 }
-export -f setup gpu_suite_memcheck start_adapter_pytest pytest_tools pytest_adapter oom_recovery recording racecheck gpu_bench extra_gpu_steps e2e
+fuzz_campaigns() {
+  # Issue 10: libFuzzer campaigns side by side, FUZZ_TARGETS="target:workers ..." (default
+  # "snapshot:9 config:6", 15 of the 16 cores, sized by their speed per worker: Note [Work per
+  # fuzz input]), from the bundle made here by tests/fuzz/make_bundle.sh (carried as
+  # fuzz-bundle); each stops at FUZZ_EXECUTIONS (10M) or at the stage's budget. Meanwhile one core
+  # records the e2e workloads on the GPU (record_e2e_traces).
+  local left=$((BUDGET - RESERVE - ($(date +%s) - T0) - 30)) spec t pids=() names=()
+  [[ -x fuzz-bundle/run_campaign.sh ]] || { echo "fuzz-bundle/ missing: run tests/fuzz/make_bundle.sh and carry it"; return 2; }
+  for spec in ${FUZZ_TARGETS:-snapshot:9 config:6}; do
+    t=${spec%%:*}
+    names+=("$t")
+    (cd fuzz-bundle && OUT_DIR=/tmp/campaign WORKERS=${spec##*:} MAX_SECONDS=$left \
+      ./run_campaign.sh "${FUZZ_EXECUTIONS:-10000000}" "$t" >"$WORK/campaign_$t.log" 2>&1) &
+    pids+=($!)
+  done
+  local rc=0
+  for p in "${pids[@]}"; do wait "$p" || rc=1; done
+  for t in "${names[@]}"; do tail -3 "$WORK/campaign_$t.log"; done
+  # Crash reproducers, if any, travel back in the logs (the grown corpora stay: thousands of files).
+  mkdir -p "$WORK/artifacts" && cp -r /tmp/campaign/*/artifacts "$WORK/artifacts/" 2>/dev/null
+  return $rc
+}
+record_e2e_traces() {
+  python3 tools/scripts/record_e2e_traces.py --out-dir "$OUT/traces"
+}
+export -f fuzz_campaigns record_e2e_traces setup gpu_suite_memcheck start_adapter_pytest pytest_tools pytest_adapter oom_recovery recording racecheck gpu_bench extra_gpu_steps e2e
 
 # ---- the stages ----------------------------------------------------------------------------
 
@@ -229,6 +257,11 @@ if [[ $stage == gpu ]]; then
       echo "extra_gpu_steps          skipped: EXTRA_GPU_STEPS=$EXTRA_GPU_STEPS is not a file" | tee -a "$SUMMARY"
     fi
   fi
+elif [[ $stage == fuzz ]]; then
+  # Recording (GPU, one core) runs beside the campaigns (CPU): its timing does not matter.
+  (step record_e2e_traces 300 'grep -E "^(gpt2|resnet50|pipeline):" "$L" | cut -c1-90' record_e2e_traces) &
+  step fuzz_campaigns 600 'grep -hE "^fuzz_" "$WORK"/campaign_*.log | sort -u | tr -s " "' fuzz_campaigns
+  wait
 elif [[ $stage == final ]]; then
   # The adapter's tests, then the end-to-end run with what is left (one device call).
   step pytest_adapter 200 'grep -hE "[0-9]+ (passed|failed)" "$WORK"/pytest_*.log | tr "\n" " "' pytest_adapter

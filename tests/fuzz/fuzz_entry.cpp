@@ -297,7 +297,7 @@ void fuzz_snapshot_one(const std::uint8_t* data, std::size_t size) {
   pickle_and_snapshot_checks(input);
 }
 
-void fuzz_config_one(const std::uint8_t* data, std::size_t size) {
+void fuzz_config_one(const std::uint8_t* data, std::size_t size, bool every_policy) {
   const std::string_view text(reinterpret_cast<const char*>(data), size);
   Config parsed;
   if (refused_with<ConfigError>("config", "Config::parse", [&] { parsed = Config::parse(text); })) {
@@ -320,10 +320,19 @@ void fuzz_config_one(const std::uint8_t* data, std::size_t size) {
 
   exercise_getters(parsed);
 
-  // Every registered policy over a small simulated device, configured by the text.
+  // The allocator the text selects (as the plugin would build it) over a small simulated
+  // device, or with `every_policy` each registered policy (Note [Work per fuzz input]); a name
+  // that is not registered must be refused.
   std::uint64_t seed = 1469598103934665603ull;
   for (std::uint8_t b : std::span<const std::uint8_t>(data, size)) seed = (seed ^ b) * 1099511628211ull;
-  for (const PolicyInfo& info : registered_policies()) {
+  std::vector<std::string> names;
+  if (every_policy) {
+    for (const PolicyInfo& info : registered_policies()) names.emplace_back(info.name);
+  } else {
+    names.push_back(parsed.policy());
+  }
+  for (const std::string& name : names) {
+    const PolicyInfo* info = find_policy(name);
     Config config = parsed;
     std::unique_ptr<DeviceAllocator> allocator;
     const bool refused = refused_with<ConfigError>("config", "make_allocator", [&] {
@@ -331,17 +340,22 @@ void fuzz_config_one(const std::uint8_t* data, std::size_t size) {
       SimOptions options;
       options.capacity = kConfigSimCapacity;
       options.auto_complete_events = true;
-      allocator = make_allocator(info.name, std::make_unique<SimBackend>(options), config);
+      allocator = make_allocator(name, std::make_unique<SimBackend>(options), config);
       std::vector<std::string_view> valid = front_end_config_keys();
-      for (std::string_view k : info.config_keys()) valid.push_back(k);
-      config.finish("policy " + std::string(info.name), valid);
+      if (info != nullptr) {
+        for (std::string_view k : info->config_keys()) valid.push_back(k);
+      }
+      config.finish("policy " + name, valid);
     });
+    if (info == nullptr && !refused) {
+      finding("config", "policy '" + name + "' is not registered but was not refused");
+    }
     if (refused || !allocator) continue;
     try {
       exercise_allocator(*allocator, seed);
     } catch (const std::exception& e) {
-      finding("config", "policy " + std::string(info.name) + " configured by '" + canonical +
-                            "': " + typeid(e).name() + ": " + e.what());
+      finding("config", "policy " + name + " configured by '" + canonical + "': " +
+                            typeid(e).name() + ": " + e.what());
     }
   }
 }
@@ -381,11 +395,11 @@ void fuzz_replay_one(const std::uint8_t* data, std::size_t size, std::size_t max
 }
 
 bool fuzz_run_one(std::string_view target, const std::uint8_t* data, std::size_t size,
-                  std::size_t max_replay_events) {
+                  std::size_t max_replay_events, bool every_policy) {
   if (target == "snapshot") {
     fuzz_snapshot_one(data, size);
   } else if (target == "config") {
-    fuzz_config_one(data, size);
+    fuzz_config_one(data, size, every_policy);
   } else if (target == "replay") {
     fuzz_replay_one(data, size, max_replay_events);
   } else {

@@ -55,7 +55,8 @@ std::size_t replay_target(const std::string& target) {
       bool known_target = false;
       try {
         known_target = cachealloc::fuzz::fuzz_run_one(
-            target, bytes.data(), bytes.size(), cachealloc::fuzz::kMaxRegressionReplayEvents);
+            target, bytes.data(), bytes.size(), cachealloc::fuzz::kMaxRegressionReplayEvents,
+            /*every_policy=*/true);
       } catch (const cachealloc::fuzz::FuzzFinding& f) {
         FAIL_CHECK(f.what);
         continue;
@@ -81,4 +82,23 @@ TEST_CASE("fuzz regressions: config inputs parse or fail with ConfigError on eve
 TEST_CASE("fuzz regressions: replay inputs keep every policy's invariants after each op",
           "[trace][fuzz][replay]") {
   CHECK(replay_target("replay") > 0);
+}
+
+TEST_CASE("fuzz config dictionary names every policy and every CACHEALLOC_CONF key",
+          "[trace][fuzz]") {
+  std::ifstream in(kFuzzDir / "config.dict");
+  REQUIRE(in.good());
+  const std::string dict((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto listed = [&](std::string_view word) {
+    return dict.find("\"" + std::string(word) + "\"") != std::string::npos;
+  };
+  for (std::string_view key : cachealloc::front_end_config_keys()) {
+    CHECK_MESSAGE(listed(key), "tests/fuzz/config.dict lacks the key " << key);
+  }
+  for (const cachealloc::PolicyInfo& info : cachealloc::registered_policies()) {
+    CHECK_MESSAGE(listed(info.name), "tests/fuzz/config.dict lacks the policy " << info.name);
+    for (std::string_view key : info.config_keys()) {
+      CHECK_MESSAGE(listed(key), "tests/fuzz/config.dict lacks " << info.name << "'s key " << key);
+    }
+  }
 }
