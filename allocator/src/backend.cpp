@@ -1,7 +1,15 @@
 // backend.cpp: the non-virtual half of the backend contract: counting and limits.
 #include <cachealloc/backend.h>
 
+#include <chrono>
+
 namespace cachealloc {
+
+std::uint64_t DeviceBackend::clock_ns() const noexcept {
+  return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                        std::chrono::steady_clock::now().time_since_epoch())
+                                        .count());
+}
 
 void* DeviceBackend::reserve(std::size_t bytes) {
   if (!within_limit(bytes)) {

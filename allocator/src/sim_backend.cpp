@@ -162,6 +162,7 @@ void* SimBackend::do_reserve(std::size_t bytes) {
         }
       }
       reservations_.emplace(addr, rounded);
+      charge(90'000);
       return reinterpret_cast<void*>(addr);
     }
     script_.clear();  // the run differs from the recording: back to our own placement
@@ -170,6 +171,7 @@ void* SimBackend::do_reserve(std::size_t bytes) {
   }
   const std::uintptr_t addr = take_range(free_ranges_, bump_, rounded, 2 * kMiB);
   reservations_.emplace(addr, rounded);
+  charge(90'000);
   return reinterpret_cast<void*>(addr);
 }
 
@@ -183,6 +185,7 @@ void SimBackend::do_release(void* ptr, std::size_t /*bytes*/) noexcept {
   reservations_.erase(it);
   // cudaFree synchronizes the device before it returns: all queued work has finished.
   complete_all();
+  charge(90'000);
 }
 
 std::uintptr_t SimBackend::reserve_address(std::size_t bytes) {
@@ -221,10 +224,14 @@ PhysicalHandle SimBackend::do_create_physical(std::size_t bytes) {
   }
   const PhysicalHandle h = next_handle_++;
   physical_.emplace(h, Physical{bytes, 0});
+  charge(13'600);
   return h;
 }
 
-void SimBackend::do_release_physical(PhysicalHandle handle) noexcept { physical_.erase(handle); }
+void SimBackend::do_release_physical(PhysicalHandle handle) noexcept {
+  physical_.erase(handle);
+  charge(13'600);
+}
 
 void SimBackend::do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) {
   maybe_throw(SimCall::map);
@@ -254,6 +261,7 @@ void SimBackend::do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle han
   mappings_.emplace(va, std::make_pair(bytes, handle));
   ++ph->second.mappings;
   mapped_now_ += bytes;
+  charge(55'000);
 }
 
 void SimBackend::do_unmap(std::uintptr_t va, std::size_t bytes) {
@@ -278,6 +286,7 @@ void SimBackend::do_unmap(std::uintptr_t va, std::size_t bytes) {
     }
     mapped_now_ -= m->second.first;
     m = mappings_.erase(m);
+    charge(27'000);
   }
 }
 
@@ -304,10 +313,15 @@ EventId SimBackend::record_event(StreamId stream) {
   ++mutable_counters().events_recorded;
   const std::uint64_t seq = ++stream_recorded_[stream];
   const EventId id = next_event_++;
-  events_.emplace(id, Event{stream, seq, false});
-  if (options_.auto_complete_events) {
-    stream_completed_upto_[stream] = seq;
+  Event ev{stream, seq, false};
+  if (options_.auto_complete_events && !held_.contains(stream)) {
+    if (options_.event_lag_ns == 0) {
+      stream_completed_upto_[stream] = seq;
+    } else {
+      ev.ready_ns = clock_ns_ + options_.event_lag_ns;
+    }
   }
+  events_.emplace(id, ev);
   return id;
 }
 
@@ -317,7 +331,8 @@ bool SimBackend::query_event(EventId event) {
   if (it == events_.end()) {
     throw DeviceError("simulated device: query of an unknown event " + std::to_string(event));
   }
-  return it->second.done || it->second.sequence <= stream_completed_upto_[it->second.stream];
+  return it->second.done || it->second.sequence <= stream_completed_upto_[it->second.stream] ||
+         (it->second.ready_ns != 0 && clock_ns_ >= it->second.ready_ns);
 }
 
 std::size_t SimBackend::pending_events() const {
@@ -339,6 +354,12 @@ void SimBackend::synchronize_event(EventId event) {
   }
   if (it->second.done) {
     return;
+  }
+  if (it->second.ready_ns > clock_ns_ &&
+      it->second.sequence > stream_completed_upto_[it->second.stream]) {
+    // The host waits until the simulated GPU gets there (Note [Simulated time]).
+    charged_ns_ += it->second.ready_ns - clock_ns_;
+    clock_ns_ = it->second.ready_ns;
   }
   it->second.done = true;
   std::uint64_t& done = stream_completed_upto_[it->second.stream];

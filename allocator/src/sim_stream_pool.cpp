@@ -15,7 +15,7 @@ std::uint64_t SimStreamPool::mark_stream(StreamId stream) noexcept {
   // A marker in the stream's order, as if an event were recorded there: complete_stream, tick
   // and synchronize_event complete it like any event; no Event object, no device call counted.
   const std::uint64_t position = ++sim_.stream_recorded_[stream];
-  if (sim_.options_.auto_complete_events) {
+  if (sim_.options_.auto_complete_events && !sim_.held_.contains(stream)) {
     sim_.stream_completed_upto_[stream] = position;
   }
   return position;

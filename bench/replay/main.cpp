@@ -57,6 +57,8 @@ int main(int argc, char** argv) {
   bool quiet = false;
   bool list = false;
   std::uint64_t check_every = 0;
+  std::uint32_t phases = 0;
+  std::uint64_t gpu_lag_us = 0;
   int gpu = 0;
   std::uint64_t sample_every = 64;
   app.add_option("trace", trace_path, "the snapshot file (.pickle or .pickle.xz)");
@@ -86,6 +88,14 @@ int main(int argc, char** argv) {
   app.add_option("--trace-device", device, "which device of the snapshot to replay (default: busiest)");
   app.add_option("--check-every", check_every,
                  "run the allocator's invariant checks every N operations (slow; 0 = off)");
+  app.add_option("--phases", phases,
+                 "also print, per policy, the device calls (reserves, creates, releases, maps, "
+                 "unmaps) made in each of N equal slices of the trace's operations: a policy that "
+                 "settles makes none once a repeating job reached its steady state (default 0: off)");
+  app.add_option("--gpu-lag-us", gpu_lag_us,
+                 "simulated device: the GPU finishes the work queued on a stream this many "
+                 "microseconds (of the trace's own clock) after the host queued it, so events "
+                 "complete late and waiting for one costs host time (default 0: at once)");
   app.add_flag("--quiet,-q", quiet, "no progress output on stderr");
   app.add_flag("--list-policies", list, "list the registered policies and exit");
   CLI11_PARSE(app, argc, argv);
@@ -185,6 +195,8 @@ int main(int argc, char** argv) {
       opts.capacity = capacity;
       opts.check_every = check_every;
       opts.plot_points = plot_path.empty() ? 0 : 2000;
+      opts.phases = phases;
+      opts.gpu_lag_us = gpu_lag_us;
       std::string conf;
       if (auto it = conf_of.find(p); it != conf_of.end()) {
         conf = it->second;
@@ -246,6 +258,9 @@ int main(int argc, char** argv) {
       if (!r.conf.empty()) {
         std::printf("  %s ran with CACHEALLOC_CONF=%s\n", r.name.c_str(), r.conf.c_str());
       }
+      if (!r.detail.empty()) {
+        std::printf("  %s: %s\n", r.name.c_str(), r.detail.c_str());
+      }
       if (r.fidelity) {
         const replay::Fidelity& f = *r.fidelity;
         if (!f.first_divergence_event) {
@@ -258,6 +273,26 @@ int main(int argc, char** argv) {
                       f.detail.c_str(), static_cast<unsigned long long>(f.recorded_segments),
                       static_cast<unsigned long long>(f.model_segments));
         }
+      }
+    }
+    if (phases != 0) {
+      std::printf("device calls per 1/%u of the operations (reserves + creates + releases + maps + "
+                  "unmaps; maps/unmaps in brackets where any):\n", phases);
+      for (const replay::PolicyResult& r : results) {
+        if (!r.error.empty()) {
+          continue;
+        }
+        std::printf("  %-11s", r.name.c_str());
+        for (const replay::Phase& ph : r.phases) {
+          if (ph.maps + ph.unmaps != 0) {
+            std::printf(" %llu[%llu/%llu]", static_cast<unsigned long long>(ph.device_calls),
+                        static_cast<unsigned long long>(ph.maps),
+                        static_cast<unsigned long long>(ph.unmaps));
+          } else {
+            std::printf(" %llu", static_cast<unsigned long long>(ph.device_calls));
+          }
+        }
+        std::printf("\n");
       }
     }
     if (prepared.unmatched_frees != 0) {
@@ -291,6 +326,17 @@ int main(int argc, char** argv) {
           p["failed_allocations"] = r.failed_allocations;
           p["events_per_second"] = r.events_per_second;
           p["replay_seconds"] = r.seconds;
+          if (!r.detail.empty()) {
+            p["detail"] = r.detail;
+          }
+          if (!r.phases.empty()) {
+            p["phases"] = nlohmann::json::array();
+            for (const replay::Phase& ph : r.phases) {
+              p["phases"].push_back({{"end_op", ph.end_op}, {"device_calls", ph.device_calls},
+                                     {"maps", ph.maps}, {"unmaps", ph.unmaps},
+                                     {"reserved_bytes", ph.reserved}});
+            }
+          }
         }
         if (r.fidelity) {
           p["fidelity"] = {{"recorded_segments", r.fidelity->recorded_segments},

@@ -6,6 +6,9 @@
 #ifdef CACHEALLOC_HAS_NATIVE
 #include <cachealloc/policies/native.h>
 #endif
+#ifdef CACHEALLOC_HAS_DEFRAG
+#include <cachealloc/policies/defrag.h>
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -59,6 +62,17 @@ PreparedTrace prepare(const trace::Snapshot& snapshot, std::string name, std::op
   std::uint64_t reserved = 0;
   t.ops.reserve(events.size());
   std::unordered_map<std::uint64_t, std::uint32_t> awaiting;  // addr -> slot freed, not completed
+  // Note [Simulated time] (sim_backend.h): times relative to the first entry that has one.
+  std::int64_t origin = 0;
+  for (const trace::TraceEvent* e : events) {
+    if (e->time_us > 0) {
+      origin = e->time_us;
+      break;
+    }
+  }
+  const auto at = [origin](const trace::TraceEvent& e) -> std::uint64_t {
+    return e.time_us > origin ? static_cast<std::uint64_t>(e.time_us - origin) : 0;
+  };
   for (std::size_t i = 0; i < events.size(); ++i) {
     const trace::TraceEvent& e = *events[i];
     switch (e.action) {
@@ -69,7 +83,7 @@ PreparedTrace prepare(const trace::Snapshot& snapshot, std::string name, std::op
         requested_at.push_back(-1);
         requested += e.size;
         t.peak_requested = std::max(t.peak_requested, requested);
-        t.ops.push_back({OpKind::alloc, slot, e.size, e.stream});
+        t.ops.push_back({OpKind::alloc, slot, e.size, e.stream, at(e)});
         break;
       }
       case trace::Action::free_requested: {
@@ -86,10 +100,10 @@ PreparedTrace prepare(const trace::Snapshot& snapshot, std::string name, std::op
                                events[i + 1]->action == trace::Action::free_completed &&
                                events[i + 1]->addr == e.addr;
         if (immediate) {
-          t.ops.push_back({OpKind::free, slot, 0, 0});
+          t.ops.push_back({OpKind::free, slot, 0, 0, at(e)});
           ++i;  // the free_completed is part of this free
         } else {
-          t.ops.push_back({OpKind::free_deferred, slot, 0, 0});
+          t.ops.push_back({OpKind::free_deferred, slot, 0, 0, at(e)});
           awaiting[e.addr] = slot;
         }
         break;
@@ -100,7 +114,7 @@ PreparedTrace prepare(const trace::Snapshot& snapshot, std::string name, std::op
           ++t.unmatched_frees;
           break;
         }
-        t.ops.push_back({OpKind::free_completed, it->second, 0, 0});
+        t.ops.push_back({OpKind::free_completed, it->second, 0, 0, at(e)});
         awaiting.erase(it);
         break;
       }
@@ -181,6 +195,7 @@ Player::Player(const PreparedTrace& trace, DeviceAllocator& allocator, SimBacken
     : allocator_(allocator), sim_(sim), ptrs_(trace.slots, nullptr) {}
 
 void Player::apply(const Op& op) {
+  sim_.advance_clock_to(op.time_us * 1000);  // Note [Simulated time]
   void*& ptr = ptrs_[op.slot];
   switch (op.kind) {
     case OpKind::alloc:
@@ -225,6 +240,9 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
   SimOptions sim_options;
   sim_options.capacity = options.capacity;
   sim_options.device = trace.device;
+  sim_options.auto_complete_events = true;  // Note [Simulated events] (sim_backend.h)
+  sim_options.model_call_costs = true;      // Note [Simulated time]
+  sim_options.event_lag_ns = options.gpu_lag_us * 1000;
   auto backend = std::make_unique<SimBackend>(sim_options);
   SimBackend& sim = *backend;
   if (policy == "native") {
@@ -292,6 +310,17 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
     if (options.check_every != 0 && i % options.check_every == 0) {
       alloc.check_invariants();
     }
+    if (options.phases != 0 && (i + 1) * options.phases / n != i * options.phases / n) {
+      const BackendCounters& c = sim.counters();
+      Phase ph;
+      ph.end_op = i + 1;
+      ph.maps = c.map_calls;
+      ph.unmaps = c.unmap_calls;
+      ph.device_calls = c.reserve_calls + c.physical_creates + c.release_calls +
+                        c.physical_releases + c.map_calls + c.unmap_calls;
+      ph.reserved = static_cast<std::uint64_t>(alloc.stats().reserved_bytes.current);
+      r.phases.push_back(ph);  // cumulative here, made per slice below
+    }
     if ((i & 0xFFFF) == 0xFFFF && options.progress) {
       const auto now = std::chrono::steady_clock::now();
       if (now - last_progress > std::chrono::milliseconds(500)) {
@@ -304,6 +333,11 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
   r.seconds = std::chrono::duration<double>(stop - start).count();
   r.events_per_second = r.seconds > 0 ? static_cast<double>(trace.trace_events) / r.seconds : 0;
 
+  for (std::size_t k = r.phases.size(); k-- > 1;) {
+    r.phases[k].device_calls -= r.phases[k - 1].device_calls;
+    r.phases[k].maps -= r.phases[k - 1].maps;
+    r.phases[k].unmaps -= r.phases[k - 1].unmaps;
+  }
   const Stats s = alloc.stats();
   r.peak_reserved = static_cast<std::uint64_t>(s.reserved_bytes.peak);
   r.peak_requested = static_cast<std::uint64_t>(s.requested_bytes.peak);
@@ -328,6 +362,27 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
       model.emplace_back(a, e.size);
     }
     r.fidelity = compare_segments(trace, model);
+  }
+#endif
+#ifdef CACHEALLOC_HAS_DEFRAG
+  if (auto* a = dynamic_cast<CachingAllocator<DefragPolicy>*>(&alloc)) {
+    const DefragCounters d = a->policy().counters();
+    char line[320];
+    std::snprintf(line, sizeof line,
+                  "pages created %llu in %llu chunks, moved %llu in %llu chunks (%llu unmap "
+                  "batches), %llu allocations mapped pages, %llu stream waits, %.1f ms moving, "
+                  "slack %.3f (raised %llu times, %llu on time)",
+                  static_cast<unsigned long long>(d.pages_created),
+                  static_cast<unsigned long long>(d.chunks_created),
+                  static_cast<unsigned long long>(d.pages_moved),
+                  static_cast<unsigned long long>(d.chunks_moved),
+                  static_cast<unsigned long long>(d.unmap_batches),
+                  static_cast<unsigned long long>(d.grow_allocations),
+                  static_cast<unsigned long long>(d.stream_waits),
+                  static_cast<double>(d.move_ns) / 1e6, d.slack,
+                  static_cast<unsigned long long>(d.slack_raises),
+                  static_cast<unsigned long long>(d.budget_raises));
+    r.detail = line;
   }
 #endif
   if (options.check_every != 0) {

@@ -32,6 +32,7 @@ struct Op {
   std::uint32_t slot;
   std::uint64_t size;    // alloc: requested bytes
   std::uint64_t stream;  // alloc: stream
+  std::uint64_t time_us = 0;  // the entry's time_us after the trace's first one (0: none)
 };
 
 /// One recorded device reservation of PyTorch's native allocator.
@@ -76,6 +77,15 @@ struct Sample {
   std::uint64_t requested;
 };
 
+/// Device calls made during one slice of the trace's operations (ReplayOptions::phases).
+struct Phase {
+  std::uint64_t end_op = 0;        ///< the slice is the operations before this index
+  std::uint64_t device_calls = 0;  ///< reserves, physical creates, releases, maps and unmaps
+  std::uint64_t maps = 0;
+  std::uint64_t unmaps = 0;
+  std::uint64_t reserved = 0;  ///< reserved bytes at the end of the slice
+};
+
 struct PolicyResult {
   std::string name;
   std::string conf;
@@ -92,7 +102,9 @@ struct PolicyResult {
   double events_per_second = 0;
   std::optional<Fidelity> fidelity;
   std::vector<Sample> samples;  ///< for plots
+  std::vector<Phase> phases;    ///< ReplayOptions::phases slices, in order
   std::string error;            ///< non-empty when the policy could not run
+  std::string detail;           ///< the policy's own counters, in words (defrag), or empty
 };
 
 struct ReplayOptions {
@@ -102,6 +114,12 @@ struct ReplayOptions {
   std::function<void(double fraction)> progress;
   /// Runs check_invariants() every N operations (0: never).
   std::uint64_t check_every = 0;
+  /// Splits the operations into this many equal slices and counts the device calls of each
+  /// (0: none): a policy that settles makes none in the last slices of a repeating job.
+  std::uint32_t phases = 0;
+  /// How long after the host the simulated GPU finishes the work queued on a stream (0: at
+  /// once): SimOptions::event_lag_ns, Note [Simulated events].
+  std::uint64_t gpu_lag_us = 0;
 };
 
 /// Plays a prepared trace's operations, one at a time, on an allocator over a simulated device

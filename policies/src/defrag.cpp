@@ -588,7 +588,8 @@ Node* DefragEngine::carve(Node* f, std::uintptr_t start, std::size_t size, std::
 // ============================================================================ the policy
 
 std::vector<std::string_view> DefragPolicy::config_keys() {
-  return {"va_reserve_gb", "grow_slack", "max_grow_slack", "small_size", "wait_for_streams", "max_chunk_mb"};
+  return {"va_reserve_gb", "grow_slack", "max_grow_slack", "move_budget", "small_size",
+          "wait_for_streams", "max_chunk_mb"};
 }
 
 DefragSettings DefragPolicy::parse_settings(Config& config) {
@@ -603,6 +604,9 @@ DefragSettings DefragPolicy::parse_settings(Config& config) {
     s.max_grow_slack = *slack;
   }
   s.max_grow_slack = std::max(s.max_grow_slack, s.grow_slack);
+  if (auto budget = config.take_double("move_budget", 0.0, 1.0)) {
+    s.move_budget = *budget;
+  }
   if (auto small = config.take_bytes("small_size")) {
     if (*small > kGiB) {
       throw ConfigError("CACHEALLOC_CONF: 'small_size' must be at most 1GB, got " +

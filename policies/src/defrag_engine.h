@@ -30,6 +30,11 @@ inline constexpr std::uint64_t kMoveWindow = 8;
 inline constexpr std::uint64_t kAllocationsPerMove = 128;
 /// ...and raises the slack after this many dense windows in a row.
 inline constexpr std::uint32_t kDenseWindows = 3;
+/// Note [A time budget for moves] (defrag_grow.cpp): moves are judged over at least
+/// kMoveWindow moving growths and this much time...
+inline constexpr std::uint64_t kBudgetMinWindowNs = 100'000'000;
+/// ...or over this much time, whichever comes first.
+inline constexpr std::uint64_t kBudgetMaxWindowNs = 1'000'000'000;
 /// A growth creates about this many chunks (Note [Chunks], defrag_grow.cpp).
 inline constexpr std::size_t kChunksPerGrowth = 16;
 /// With several streams, frees after which the next allocation closes the epoch.
@@ -269,6 +274,13 @@ class DefragEngine {
   std::uint64_t window_moves_ = 0;
   std::uint32_t dense_windows_ = 0;
   void note_move() noexcept;
+  /// Note [A time budget for moves]: the time spent moving pages in the open window.
+  std::uint64_t budget_start_ns_ = 0;
+  std::uint64_t budget_spent_ns_ = 0;
+  std::uint64_t budget_moves_ = 0;
+  bool budget_open_ = false;
+  void note_move_time(std::uint64_t now_ns, std::uint64_t spent_ns) noexcept;
+  void raise_slack() noexcept;
 
   std::vector<Chunk> scratch_;
   std::vector<MapPiece> pieces_;  // scratch_ as map_run wants it (kept to reuse its storage)

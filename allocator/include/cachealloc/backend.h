@@ -119,6 +119,11 @@ class DeviceBackend {
   /// Returns the event to the pool.
   virtual void destroy_event(EventId event) noexcept = 0;
 
+  /// Monotonic time in nanoseconds, for policies that budget the time their device calls take
+  /// (defrag: Note [A time budget for moves]). Real backends: std::chrono::steady_clock; the
+  /// simulated device: its own clock (Note [Simulated time], sim_backend.h).
+  [[nodiscard]] virtual std::uint64_t clock_ns() const noexcept;
+
   /// The virtual-memory half, or nullptr when this backend has none.
   [[nodiscard]] virtual VirtualMemory* virtual_memory() noexcept { return nullptr; }
   /// The stream-ordered pool (stream_ordered.h), or nullptr when this backend has none.

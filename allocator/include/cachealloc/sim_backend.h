@@ -9,18 +9,35 @@
 // An event recorded on a stream is pending until one of:
 //   complete_stream(s)  -- all work on s so far finished (what a test says after a "kernel")
 //   complete_all()      -- the device went idle
-//   tick()              -- everything not on a held stream finished; replays call it between
-//                          trace entries, so the device "keeps up" except where the trace says
-//                          a stream was still busy (hold_stream / release_stream)
-//   set_auto_complete(true) -- events are complete as soon as they are recorded
+//   tick()              -- everything not on a held stream finished
+//   set_auto_complete(true) -- events on streams that are not held are complete as soon as they
+//                          are recorded: the device "keeps up" except where the caller says a
+//                          stream is still busy (hold_stream / release_stream). Replays run so,
+//                          as a training job's GPU finishes each step's work within the step, and
+//                          the trace says which frees waited for another stream (record_stream).
+//                          With SimOptions::event_lag_ns, "as soon as" becomes that long after
+//                          recording on the simulated clock, and synchronize_event() moves the
+//                          clock to the completion (a wait costs host time, as on a real GPU)
 // synchronize_event() completes the event (and everything before it on its stream), as a real
 // cudaEventSynchronize would return only once that work finished. release() completes every
 // stream, because cudaFree synchronizes the whole device before it returns (VMM unmap does not).
+//
+// Note [Simulated time]
+// clock_ns() is the simulated device's clock. It moves only when the driver says so
+// (advance_clock_to: replays pass the trace's time_us, the host time at which PyTorch's
+// allocator saw each call in the recorded run) and, with SimOptions::model_call_costs, by the
+// median cost measured on an H200 (../shared/traces/README.md) of each call made: reserve 90 us,
+// release 90 us, create_physical 13.6 us, release_physical 13.6 us, map 55 us per handle mapped
+// (cuMemMap + cuMemSetAccess), unmap 27 us per mapping removed. Charged costs add up and delay
+// every later driver time, as calls on a real device would. Waiting for an event costs nothing:
+// the model cannot know how far the GPU is behind. Without either, the clock stands still, so
+// unit tests see no time pass.
 #pragma once
 
 #include <cachealloc/backend.h>
 #include <cachealloc/sim_stream_pool.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -52,7 +69,13 @@ struct SimOptions {
   int device = 0;
   std::size_t capacity = std::size_t{143771} * kMiB;  ///< an H200's cudaMemGetInfo total
   std::size_t granularity = 2 * kMiB;                 ///< VMM page size
-  bool auto_complete_events = false;
+  bool auto_complete_events = false;  ///< Note [Simulated events]
+  /// Advance clock_ns() by an H200's median cost of each device call (Note [Simulated time]).
+  bool model_call_costs = false;
+  /// With auto_complete_events: an event completes this long (on clock_ns()) after it was
+  /// recorded instead of at once, as a GPU finishes work some time after the host queued it
+  /// (Note [Simulated events]).
+  std::uint64_t event_lag_ns = 0;
 };
 
 class SimBackend final : public DeviceBackend, private VirtualMemory {
@@ -82,6 +105,12 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
   /// Un-holds `stream`, completes its events and forgets it (replays use one stream per delayed free).
   void release_stream(StreamId stream);
   void set_auto_complete(bool on) noexcept { options_.auto_complete_events = on; }
+  /// Note [Simulated time]: the driver's time is now `ns`; the clock reads that plus the cost
+  /// of every call charged so far (never less than it read before).
+  void advance_clock_to(std::uint64_t ns) noexcept {
+    clock_ns_ = std::max(clock_ns_, ns + charged_ns_);
+  }
+  [[nodiscard]] std::uint64_t clock_ns() const noexcept override { return clock_ns_; }
   [[nodiscard]] std::size_t pending_events() const;
   [[nodiscard]] std::size_t live_events() const noexcept { return events_.size(); }
   /// Events recorded on `stream` so far, and how many of them completed (in stream order).
@@ -137,9 +166,18 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
     StreamId stream;
     std::uint64_t sequence;  // per-stream order
     bool done;
+    std::uint64_t ready_ns = 0;  // event_lag_ns: complete once the clock reaches this (0: never)
   };
 
   SimOptions options_;
+  std::uint64_t clock_ns_ = 0;    // Note [Simulated time]
+  std::uint64_t charged_ns_ = 0;  // modelled cost of the calls made so far
+  void charge(std::uint64_t ns) noexcept {
+    if (options_.model_call_costs) {
+      clock_ns_ += ns;
+      charged_ns_ += ns;
+    }
+  }
   // address space: reservations (cudaMalloc) and VMM address ranges live in separate regions
   std::uintptr_t bump_ = 0x7f0000000000;
   std::uintptr_t va_bump_ = 0x600000000000;

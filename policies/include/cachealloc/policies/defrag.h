@@ -29,11 +29,14 @@
 //                     pages are moved instead of new ones created (fraction, default 0.01; 0
 //                     moves the most pages and holds the least memory)
 //   max_grow_slack    how far the slack may rise when pages keep moving, step after step
-//                     (default 0.08; equal to grow_slack: never rises) (Note [Slack that adapts
-//                     to moves], defrag_grow.cpp)
+//                     (default 0.25; equal to grow_slack: never rises) (Note [Slack that adapts
+//                     to moves], Note [A time budget for moves], defrag_grow.cpp)
 //   small_size        requests up to this size go to their own address range, so that small
 //                     long-lived tensors do not pin the pages of large holes (bytes, default
 //                     1MB; 0 = one range for all sizes)
+//   move_budget       the share of elapsed time that growths which move pages (or wait for a
+//                     stream to move them) may take before the slack rises (default 0.02; 1 =
+//                     never on time)
 //   wait_for_streams  before creating physical memory beyond the slack, wait for the allocating
 //                     stream's events so that pages it freed recently can move (default True)
 //   max_chunk_mb      the largest physical handle created, in MiB (default 1024; rounded down
@@ -79,7 +82,8 @@ class DefragEngine;
 struct DefragSettings {
   std::size_t va_reserve_bytes = 0;  ///< 0 = twice the device memory
   double grow_slack = 0.01;
-  double max_grow_slack = 0.08;  ///< how far the slack may rise when pages keep moving
+  double max_grow_slack = 0.25;  ///< how far the slack may rise when pages keep moving
+  double move_budget = 0.02;     ///< share of elapsed time page moves may take before the slack rises
   std::size_t small_size = 1 * kMiB;  ///< 0 = small requests share the large range
   bool wait_for_streams = true;
   std::size_t max_chunk_bytes = 1 * kGiB;  ///< largest physical handle; one page = per-page handles
@@ -99,6 +103,8 @@ struct DefragCounters {
   std::uint64_t stream_waits = 0;      ///< times the policy waited for epoch events
   std::uint64_t address_ranges = 0;    ///< virtual address ranges reserved
   std::uint64_t slack_raises = 0;      ///< times the slack rose (Note [Slack that adapts to moves])
+  std::uint64_t budget_raises = 0;     ///< of which on time (Note [A time budget for moves])
+  std::uint64_t move_ns = 0;           ///< time spent in growths that moved pages or waited
   double slack = 0.0;                  ///< the grow slack in force now
 };
 
