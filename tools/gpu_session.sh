@@ -7,6 +7,8 @@
 #                                   # racecheck, micro benchmarks + GPU replays (issue 8),
 #                                   # then the file named by EXTRA_GPU_STEPS, if any   (~6-8 min)
 #   bash tools/gpu_session.sh e2e   # bench/e2e/run_e2e.py, 5 interleaved repetitions (~8-9 min)
+#   bash tools/gpu_session.sh closing  # the GPU suite, memcheck on its record_stream tests, then
+#                                      # the e2e run (~8-9 min)
 #   bash tools/gpu_session.sh fuzz  # the three 10M-execution fuzz campaigns side by side (carry
 #                                   # fuzz-bundle), and the e2e workloads recorded as snapshots
 #                                   # in $OUT/traces (tools/scripts/record_e2e_traces.py) (~9 min)
@@ -35,7 +37,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 stage=${1:-}
-case $stage in gpu | e2e | final | fuzz) ;; *) echo "usage: $0 gpu|e2e|final|fuzz" >&2; exit 2 ;; esac
+case $stage in gpu | e2e | final | fuzz | closing) ;; *) echo "usage: $0 gpu|e2e|final|fuzz|closing" >&2; exit 2 ;; esac
 
 export OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -233,10 +235,23 @@ fuzz_campaigns() {
   mkdir -p "$WORK/artifacts" && cp -r /tmp/campaign/*/artifacts "$WORK/artifacts/" 2>/dev/null
   return $rc
 }
+gpu_suite_quick() {
+  # The Catch2 GPU suite once, without the sanitizer, then memcheck on the record_stream tests
+  # alone (the cross-stream free paths): for a session whose policy changes need the GPU's word
+  # but whose device time is short.
+  "$B/cachealloc_gpu_tests" --reporter compact
+  local rc=$?
+  if [[ -n $SAN ]]; then
+    "$SAN" --tool memcheck --error-exitcode 3 "$B/cachealloc_gpu_tests" --reporter compact "[record_stream]" || rc=$?
+  else
+    echo "memcheck: compute-sanitizer missing"
+  fi
+  return $rc
+}
 record_e2e_traces() {
   python3 tools/scripts/record_e2e_traces.py --out-dir "$OUT/traces"
 }
-export -f fuzz_campaigns record_e2e_traces setup gpu_suite_memcheck start_adapter_pytest pytest_tools pytest_adapter oom_recovery recording racecheck gpu_bench extra_gpu_steps e2e
+export -f fuzz_campaigns record_e2e_traces gpu_suite_quick setup gpu_suite_memcheck start_adapter_pytest pytest_tools pytest_adapter oom_recovery recording racecheck gpu_bench extra_gpu_steps e2e
 
 # ---- the stages ----------------------------------------------------------------------------
 
@@ -262,6 +277,11 @@ elif [[ $stage == fuzz ]]; then
   (step record_e2e_traces 300 'grep -E "^(gpt2|resnet50|pipeline):" "$L" | cut -c1-90' record_e2e_traces) &
   step fuzz_campaigns 600 'grep -hE "^fuzz_" "$WORK"/campaign_*.log | sort -u | tr -s " "' fuzz_campaigns
   wait
+elif [[ $stage == closing ]]; then
+  # The GPU suite (plain) and memcheck on the record_stream tests, then the end-to-end run.
+  step gpu_suite_quick 150 'grep -E "^(All tests passed|test cases)|ERROR SUMMARY|Failed" "$L" | tr -s " " | head -4' gpu_suite_quick
+  step e2e 600 'grep -E "^run_e2e: (round 1|measured steps|[0-9]+ runs)" "$L"; grep -c FAILED "$L" | sed "s/$/ failed runs/"' e2e
+  tail -40 "$WORK/e2e.log"
 elif [[ $stage == final ]]; then
   # The adapter's tests, then the end-to-end run with what is left (one device call).
   step pytest_adapter 200 'grep -hE "[0-9]+ (passed|failed)" "$WORK"/pytest_*.log | tr "\n" " "' pytest_adapter

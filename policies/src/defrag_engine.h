@@ -32,7 +32,7 @@ inline constexpr std::uint64_t kAllocationsPerMove = 128;
 inline constexpr std::uint32_t kDenseWindows = 3;
 /// Note [A time budget for moves] (defrag_grow.cpp): moves are judged over at least
 /// kMoveWindow moving growths and this much time...
-inline constexpr std::uint64_t kBudgetMinWindowNs = 100'000'000;
+inline constexpr std::uint64_t kBudgetMinWindowNs = 25'000'000;
 /// ...or over this much time, whichever comes first.
 inline constexpr std::uint64_t kBudgetMaxWindowNs = 1'000'000'000;
 /// A growth creates about this many chunks (Note [Chunks], defrag_grow.cpp).

@@ -111,7 +111,11 @@ TEST_CASE("conformance on the real device", "[gpu][conformance]") {
       const auto reserved = alloc->stats().reserved_bytes.current;
       alloc->deallocate(p);
       void* q = alloc->allocate(bytes, s.id());
-      CHECK(q == p);
+      // The driver's pool (async) reuses the freed memory without growing but may place the
+      // request elsewhere in it (it did, 3 MiB lower, once a freed 3 MiB block had coalesced).
+      if (policy != "async") {
+        CHECK(q == p);
+      }
       CHECK(alloc->stats().reserved_bytes.current == reserved);
       alloc->deallocate(q);
     }
