@@ -79,7 +79,6 @@ std::map<std::string, std::int64_t> Stats::to_map() const {
   m["num_device_alloc"] = static_cast<std::int64_t>(num_device_alloc);
   m["num_device_free"] = static_cast<std::int64_t>(num_device_free);
   m["num_sync_all_streams"] = static_cast<std::int64_t>(num_sync_all_streams);
-  m["stream_ordered_frees"] = static_cast<std::int64_t>(stream_ordered_frees);
   m["num_maps"] = static_cast<std::int64_t>(num_maps);
   m["num_unmaps"] = static_cast<std::int64_t>(num_unmaps);
   m["bytes_mapped"] = static_cast<std::int64_t>(bytes_mapped);

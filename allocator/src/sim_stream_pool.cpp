@@ -200,15 +200,6 @@ void SimStreamPool::make_stream_wait(StreamId waiter, EventId event) {
   pos = std::max(pos, ev->second.sequence);
 }
 
-bool SimStreamPool::waits_on(StreamId waiter, StreamId stream) const {
-  const auto w = waits_.find(waiter);
-  if (w == waits_.end()) {
-    return false;
-  }
-  const auto pos = w->second.find(stream);
-  return pos != w->second.end() && pos->second >= sim_.stream_recorded(stream);
-}
-
 void SimStreamPool::release_chunk(std::uintptr_t base) noexcept {
   auto c = chunks_.find(base);
   const std::size_t size = c->second.size;

@@ -90,7 +90,7 @@ SizeClassPolicy::Pool& SizeClassPolicy::pool(StreamId stream) {
   if (Pool* p = find_pool(stream)) {
     return *p;
   }
-  pools_.push_back(std::make_unique<Pool>());
+  pools_.push_back(std::make_unique<Pool>(&large_nodes_));
   pools_.back()->stream = stream;
   last_pool_ = pools_.back().get();
   return *last_pool_;
@@ -160,7 +160,7 @@ void SizeClassPolicy::insert_free(BlockMeta* b) {
   if (b->small) {
     p.small[b->size_class].push_back(b);
   } else {
-    p.large.insert(b);
+    b->large_it = p.large.insert(LargeKey{b->size, b->addr, b}).first;
   }
 }
 
@@ -170,7 +170,7 @@ void SizeClassPolicy::erase_free(BlockMeta* b) {
     auto& list = p->small[b->size_class];
     list.erase(std::find(list.begin(), list.end(), b));
   } else {
-    p->large.erase(b);
+    p->large.erase(b->large_it);
   }
 }
 
@@ -219,16 +219,14 @@ Block SizeClassPolicy::allocate_small(std::size_t bytes, StreamId stream) {
 
 Block SizeClassPolicy::allocate_large(std::size_t bytes, StreamId stream) {
   const std::size_t size = round_up(bytes, kRound);
-  BlockMeta key{};
-  key.size = size;
-  key.addr = 0;
+  const LargeKey key{size, 0, nullptr};
   BlockMeta* best = nullptr;
   for (int attempt = 0; attempt < 2 && best == nullptr; ++attempt) {
     for (StreamId owner : {stream, kAnyStream}) {
       if (Pool* p = find_pool(owner)) {
-        auto it = p->large.lower_bound(&key);
-        if (it != p->large.end() && (best == nullptr || (*it)->size < best->size)) {
-          best = *it;
+        auto it = p->large.lower_bound(key);
+        if (it != p->large.end() && (best == nullptr || it->size < best->size)) {
+          best = it->meta;
         }
       }
     }
@@ -327,7 +325,8 @@ bool SizeClassPolicy::migrate_epochs(StreamId requester) {
         p.epoch_event = 0;
         // Every block freed on p.stream up to epoch_seq is idle on the device: share it.
         std::vector<BlockMeta*> move;
-        for (BlockMeta* b : p.large) {
+        for (const LargeKey& k : p.large) {
+          BlockMeta* b = k.meta;
           if (b->free_seq <= p.epoch_seq) {
             move.push_back(b);
           }
@@ -455,9 +454,12 @@ void SizeClassPolicy::check_invariants() const {
   std::size_t listed_small = 0;
   std::size_t listed_large = 0;
   for (const auto& p : pools_) {
-    for (const BlockMeta* b : p->large) {
+    for (const LargeKey& k : p->large) {
+      const BlockMeta* b = k.meta;
       CACHEALLOC_CHECK_INVARIANT(b->free && !b->small && b->owner == p->stream,
                                  "large free set holds a wrong block");
+      CACHEALLOC_CHECK_INVARIANT(k.size == b->size && k.addr == b->addr && &*b->large_it == &k,
+                                 "large free set key differs from its block");
       ++listed_large;
     }
     for (std::size_t c = 0; c < kClassCount; ++c) {

@@ -77,27 +77,16 @@ TEST_CASE("conformance: a block used on another stream is not reused before its 
   for (std::size_t size : {4096ul, 8ul << 20, 64ul << 20}) {
     void* p = a->allocate(size, s1);
     a->record_stream(p, s2);  // a kernel on s2 still uses p
-    const std::uint64_t ordered_before = a->stats().stream_ordered_frees;
     a->deallocate(p);
-    // Note [Cross-stream frees in stream order] (allocator.h): a policy on a stream-ordered pool
-    // makes s1 wait for s2 on the GPU and takes the block back at once; the others park it.
-    const bool in_stream_order = a->stats().stream_ordered_frees == ordered_before + 1;
-    if (in_stream_order) {
-      CHECK(a->pending_frees() == 0);
-      REQUIRE(sim->stream_ordered() != nullptr);
-      CHECK(static_cast<SimStreamPool*>(sim->stream_ordered())->waits_on(s1, s2));
-    } else {
-      CHECK(a->pending_frees() == 1);
-    }
-    // Until s2's work completes, no allocation may return memory overlapping p, except one on s1
-    // when s1 waits for s2 on the GPU (everything s1 does with it runs after s2's kernel).
+    CHECK(a->pending_frees() == 1);
+    // Until s2's work completes, no allocation on any stream may return memory overlapping p.
     std::vector<void*> others;
     for (int i = 0; i < 4; ++i) {
       for (StreamId s : {s1, s2}) {
         void* q = a->allocate(size, s);
         const auto qa = reinterpret_cast<std::uintptr_t>(q);
         const auto pa = reinterpret_cast<std::uintptr_t>(p);
-        CHECK((qa + size <= pa || pa + size <= qa || (in_stream_order && s == s1)));
+        CHECK((qa + size <= pa || pa + size <= qa));
         others.push_back(q);
         a->check_invariants();
       }

@@ -38,13 +38,8 @@ TEST_CASE("record_stream keeps a block from reuse while the other stream uses it
     GPU_REQUIRE_OK(launch_hold_and_check(a, bytes, 2, kSeed, cycles_for_ms(50), multiprocessor_count(),
                                          mismatches.get(), checksum.get(), s2.get()));
     alloc->record_stream(a, s2.id());
-    const std::uint64_t ordered_before = alloc->stats().stream_ordered_frees;
     alloc->deallocate(a);
-    // Note [Cross-stream frees in stream order] (allocator.h): a policy on a stream-ordered pool
-    // makes s1 wait for s2 on the GPU and may hand A out again on s1 at once (s1's fills then run
-    // after s2's kernel: the checksums below prove it); every other policy parks A on the host.
-    const bool in_stream_order = alloc->stats().stream_ordered_frees == ordered_before + 1;
-    CHECK(alloc->pending_frees() == (in_stream_order ? 0U : 1U));
+    CHECK(alloc->pending_frees() == 1);
 
     bool reused_while_busy = false;
     std::vector<void*> later;
@@ -63,9 +58,7 @@ TEST_CASE("record_stream keeps a block from reuse while the other stream uses it
     if (s2_after != cudaErrorNotReady) {
       WARN("s2's kernel finished before the reallocations did; the test did not race");
     }
-    if (!in_stream_order) {
-      CHECK_FALSE(reused_while_busy);
-    }
+    CHECK_FALSE(reused_while_busy);
 
     GPU_REQUIRE_OK(cudaStreamSynchronize(s2.get()));
     GPU_REQUIRE_OK(cudaStreamSynchronize(s1.get()));

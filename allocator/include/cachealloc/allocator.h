@@ -21,17 +21,6 @@
 // Each step is a separate member (try_allocate, flush_pending, release_and_retry), tested on its
 // own in tests/core.
 //
-// Note [Cross-stream frees in stream order]
-// A policy that takes its memory from a stream-ordered pool (async) does what PyTorch's
-// cudaMallocAsync backend does instead of parking: on free, one event is recorded on each other
-// stream that used the block and the block's own stream is made to wait for it on the GPU
-// (cudaStreamWaitEvent); then the block goes back to the policy at once. Everything queued on the
-// block's stream from then on, including the work of whoever gets the block next from that
-// stream's cache or from the pool in stream order, runs after the other streams' work; another
-// stream gets the block from the pool only through the pool's own event dependencies. Parking
-// held such blocks until the host saw the events complete, which cost peak memory in the
-// two-stream pipeline (bench/e2e). Stats::stream_ordered_frees counts these frees.
-//
 // Note [Pool attributes in the stats]
 // For a policy that takes its memory from a stream-ordered pool (policy async: it has
 // pool_calls()) stats() also reads the pool's own attributes
@@ -206,7 +195,7 @@ class CachingAllocator final : public DeviceAllocator {
     if (observer_) {
       observer_(AllocatorEvent::free_requested, key, e.requested, e.stream);
     }
-    if (e.other_streams.empty() || free_in_stream_order(e)) {
+    if (e.other_streams.empty()) {
       complete_free(e.block, e.requested, e.stream);
     } else {
       park(std::move(e));
@@ -476,40 +465,6 @@ class CachingAllocator final : public DeviceAllocator {
     if (observer_) {
       observer_(AllocatorEvent::free_completed, reinterpret_cast<std::uintptr_t>(block.ptr), requested,
                 stream);
-    }
-  }
-
-  /// Note [Cross-stream frees in stream order]: for a policy on a stream-ordered pool, makes the
-  /// block's own stream wait (on the GPU) for every other stream that used it, so the block can
-  /// go back to the policy now. False, with nothing changed that matters, when the policy has no
-  /// pool or an event call failed: the caller parks the block instead.
-  bool free_in_stream_order(const Entry& e) noexcept {
-    if constexpr (requires(const P& p) { p.pool_calls(); }) {
-      StreamOrderedMemory* pool = backend_->stream_ordered();
-      if (pool == nullptr) {
-        return false;
-      }
-      try {
-        for (StreamId other : e.other_streams) {
-          const EventId event = backend_->record_event(other);
-          try {
-            pool->make_stream_wait(e.stream, event);
-          } catch (...) {
-            backend_->destroy_event(event);
-            throw;
-          }
-          backend_->destroy_event(event);
-        }
-      } catch (...) {
-        // Waits already queued are harmless: the parked block is handed back once the host
-        // sees the events, later than needed.
-        return false;
-      }
-      ++stats_.stream_ordered_frees;
-      return true;
-    } else {
-      (void)e;
-      return false;
     }
   }
 

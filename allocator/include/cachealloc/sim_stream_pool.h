@@ -81,9 +81,6 @@ class SimStreamPool final : public StreamOrderedMemory {
   [[nodiscard]] std::uint64_t allocate_calls() const noexcept { return allocate_calls_; }
   [[nodiscard]] std::uint64_t free_calls() const noexcept { return free_calls_; }
   [[nodiscard]] std::uint64_t internal_dependencies() const noexcept { return internal_dependencies_; }
-  /// True when work queued on `waiter` from now on waits for everything queued on `stream` so
-  /// far (make_stream_wait on its latest event).
-  [[nodiscard]] bool waits_on(StreamId waiter, StreamId stream) const;
   [[nodiscard]] std::size_t chunk_count() const noexcept { return chunks_.size(); }
   /// free_async calls with a pointer that is not a live allocation of this pool (ignored).
   [[nodiscard]] std::uint64_t foreign_frees() const noexcept { return foreign_frees_; }

@@ -54,7 +54,6 @@ struct Stats {
   std::uint64_t bytes_mapped = 0;       ///< bytes mapped, cumulative
   std::uint64_t bytes_unmapped = 0;     ///< bytes unmapped, cumulative
   std::uint64_t num_sync_all_streams = 0;  ///< event waits forced by the retry chain / empty_cache
-  std::uint64_t stream_ordered_frees = 0;  ///< cross-stream frees the GPU orders (allocator.h)
   std::uint64_t usage_errors = 0;       ///< rejected double frees / foreign pointers
   std::uint64_t alloc_ns = 0;           ///< time inside allocate() when timing is on
   std::uint64_t free_ns = 0;            ///< time inside deallocate() when timing is on

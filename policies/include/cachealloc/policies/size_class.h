@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <memory_resource>
 #include <set>
 #include <string_view>
 #include <vector>
@@ -67,6 +68,19 @@ class SizeClassPolicy {
 
  private:
   struct Segment;
+  struct BlockMeta;
+  /// A free large block's entry in its pool's set: the (size, address) key lives in the tree
+  /// node, so a best-fit search compares without touching the blocks (Note [Large free sets],
+  /// size_class.cpp).
+  struct LargeKey {
+    std::size_t size;
+    std::uintptr_t addr;
+    BlockMeta* meta;
+    friend bool operator<(const LargeKey& a, const LargeKey& b) noexcept {
+      return a.size != b.size ? a.size < b.size : a.addr < b.addr;
+    }
+  };
+  using LargeSet = std::pmr::set<LargeKey>;
   struct BlockMeta {
     std::uintptr_t addr;
     std::size_t size;
@@ -78,11 +92,7 @@ class SizeClassPolicy {
     std::uint16_t size_class;  // small only
     bool small;
     bool free;
-  };
-  struct BySizeAddr {
-    bool operator()(const BlockMeta* a, const BlockMeta* b) const noexcept {
-      return a->size != b->size ? a->size < b->size : a->addr < b->addr;
-    }
+    LargeSet::iterator large_it{};  // large and free: its entry in the owner pool's set
   };
   struct Segment {
     std::uintptr_t base;
@@ -96,8 +106,9 @@ class SizeClassPolicy {
   };
   static constexpr std::size_t kClassCount = 48;
   struct Pool {
-    StreamId stream;
-    std::set<BlockMeta*, BySizeAddr> large;
+    explicit Pool(std::pmr::memory_resource* nodes) : large(nodes) {}
+    StreamId stream = 0;
+    LargeSet large;
     std::array<std::vector<BlockMeta*>, kClassCount> small;
     std::uint64_t epoch_event = 0;  // EventId of an in-flight migration, 0 = none
     std::uint64_t epoch_seq = 0;    // blocks freed up to this sequence are covered by it
@@ -120,6 +131,8 @@ class SizeClassPolicy {
   [[nodiscard]] SegmentView segment_view(const Segment& seg) const;
 
   DeviceBackend& backend_;
+  /// Tree nodes of every pool's large set (no malloc per insert); before pools_, which use it.
+  std::pmr::unsynchronized_pool_resource large_nodes_;
   std::size_t large_segment_ = 20 * kMiB;
   std::size_t large_direct_threshold_ = 10 * kMiB;
   std::vector<std::unique_ptr<Pool>> pools_;  // few streams: linear search
