@@ -9,6 +9,8 @@
 #   bash tools/gpu_session.sh e2e   # bench/e2e/run_e2e.py, 5 interleaved repetitions (~8-9 min)
 #   bash tools/gpu_session.sh closing  # the GPU suite, memcheck on its record_stream tests, then
 #                                      # the e2e run (~8-9 min)
+#   bash tools/gpu_session.sh last     # the GPU suite, then the micro benchmarks and an e2e subset
+#                                      # (E2E_ARGS) on cores 0-3 beside a fuzz campaign on 4-15
 #   bash tools/gpu_session.sh fuzz  # the three 10M-execution fuzz campaigns side by side (carry
 #                                   # fuzz-bundle), and the e2e workloads recorded as snapshots
 #                                   # in $OUT/traces (tools/scripts/record_e2e_traces.py) (~9 min)
@@ -37,7 +39,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 stage=${1:-}
-case $stage in gpu | e2e | final | fuzz | closing) ;; *) echo "usage: $0 gpu|e2e|final|fuzz|closing" >&2; exit 2 ;; esac
+case $stage in gpu | e2e | final | fuzz | closing | last) ;; *) echo "usage: $0 gpu|e2e|final|fuzz|closing|last" >&2; exit 2 ;; esac
 
 export OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -277,6 +279,22 @@ elif [[ $stage == fuzz ]]; then
   (step record_e2e_traces 300 'grep -E "^(gpt2|resnet50|pipeline):" "$L" | cut -c1-90' record_e2e_traces) &
   step fuzz_campaigns 600 'grep -hE "^fuzz_" "$WORK"/campaign_*.log | sort -u | tr -s " "' fuzz_campaigns
   wait
+elif [[ $stage == last ]]; then
+  # The GPU suite, then on cores 0-3 the micro benchmarks and an e2e subset (E2E_ARGS) while a
+  # fuzz campaign (FUZZ_TARGETS, default replay on 12 workers) runs on cores 4-15 at nice 19.
+  step gpu_suite_quick 150 'grep -E "^(All tests passed|test cases)|ERROR SUMMARY|Failed" "$L" | tr -s " " | head -4' gpu_suite_quick
+  cores=$(nproc)
+  if ((cores >= 8)); then
+    fuzz_pin="taskset -c 4-$((cores - 1))" bench_pin="taskset -c 0-3"
+  else
+    fuzz_pin="" bench_pin=""
+  fi
+  export FUZZ_TARGETS=${FUZZ_TARGETS:-replay:$((cores >= 8 ? cores - 4 : 1))}
+  (step fuzz_campaigns 600 'grep -hE "^fuzz_" "$WORK"/campaign_*.log | sort -u | tr -s " "' "$fuzz_pin bash -c fuzz_campaigns") &
+  step gpu_bench 280 'grep -E "^RATIO" "$OUT/gpu_bench.md" | head -8; grep -E "^total:" "$OUT/gpu_bench.md"' "$bench_pin bash -c gpu_bench"
+  step e2e 200 'grep -E "^run_e2e: (round 1|measured steps|[0-9]+ runs)" "$L"; grep -c FAILED "$L" | sed "s/$/ failed runs/"' "$bench_pin bash -c e2e"
+  wait
+  tail -30 "$WORK/e2e.log"
 elif [[ $stage == closing ]]; then
   # The GPU suite (plain) and memcheck on the record_stream tests, then the end-to-end run.
   step gpu_suite_quick 150 'grep -E "^(All tests passed|test cases)|ERROR SUMMARY|Failed" "$L" | tr -s " " | head -4' gpu_suite_quick

@@ -36,6 +36,8 @@ Configurations (--configs, comma separated):
                          CUDAPluggableAllocator; enabled by cachealloc.enable() in the child)
   cachealloc-full:<p>    CACHEALLOC_CONF=policy:<p>,full:True (the LibTorch adapter; opt-in: if
                          it is missing, each run records the error and the others go on)
+  ...+key:value+...      either of the two with more CACHEALLOC_CONF settings, e.g.
+                         cachealloc:async+async_cache_mb:0 (CACHEALLOC_CONF=policy:async,async_cache_mb:0)
   default: native, expandable, async and cachealloc:<p> for every registered policy.
 
 What is measured, the same way for every configuration, in the run's process:
@@ -155,7 +157,15 @@ def config_kind(name: str) -> str:
 
 
 def config_policy(name: str) -> Optional[str]:
-    return name.split(":", 1)[1] if config_kind(name) in ("plugin", "full") else None
+    """The policy of cachealloc:<p>[+key:value...] (None for PyTorch's own allocators)."""
+    return name.split(":", 1)[1].split("+", 1)[0] if config_kind(name) in ("plugin", "full") else None
+
+
+def config_settings(name: str) -> list[str]:
+    """The extra CACHEALLOC_CONF entries of cachealloc:<p>+key:value+key:value."""
+    if config_kind(name) not in ("plugin", "full"):
+        return []
+    return [e for e in name.split(":", 1)[1].split("+")[1:] if e]
 
 
 def config_env(name: str) -> dict[str, str]:
@@ -166,7 +176,8 @@ def config_env(name: str) -> dict[str, str]:
     policy = config_policy(name)
     if not policy:
         raise ValueError(f"{name!r}: cachealloc:<policy> needs a policy name")
-    return {"CACHEALLOC_CONF": f"policy:{policy}" + (",full:True" if kind == "full" else "")}
+    entries = [f"policy:{policy}"] + config_settings(name) + (["full:True"] if kind == "full" else [])
+    return {"CACHEALLOC_CONF": ",".join(entries)}
 
 
 def call_timer_path() -> Optional[str]:

@@ -385,6 +385,12 @@ def test_e2e_runner_help_and_plan():
     assert len(runs) == 6
     # interleaved: A B C A B C
     assert [r.split()[3] for r in runs] == ["native", "expandable", "cachealloc:size_class"] * 2
+    # extra settings ride on the configuration's name
+    p = subprocess.run([sys.executable, str(runner), "--dry-run", "--reps", "1", "--workloads", "pipeline",
+                        "--configs", "cachealloc:async+async_cache_mb:0+async_cache_max_block:64KB"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "CACHEALLOC_CONF=policy:async,async_cache_mb:0,async_cache_max_block:64KB" in p.stdout, p.stdout
 
 
 if __name__ == "__main__":
