@@ -178,3 +178,59 @@ TEST_CASE("front end: the retry chain steps", "[core][oom]") {
   }
   a.check_invariants();
 }
+
+TEST_CASE("sim: the clock runs on the driver's time plus the modelled cost of each call",
+          "[core][sim]") {
+  SimOptions o;
+  o.model_call_costs = true;
+  SimBackend sim(o);
+  CHECK(sim.clock_ns() == 0);
+  sim.advance_clock_to(1'000'000);
+  CHECK(sim.clock_ns() == 1'000'000);
+  VirtualMemory& vm = *sim.virtual_memory();
+  const std::uintptr_t va = vm.reserve_address(4 * kMiB);
+  const PhysicalHandle h = vm.create_physical(2 * kMiB);  // 13.6 us
+  vm.map(va, 2 * kMiB, h);                                 // 55 us
+  vm.unmap(va, 2 * kMiB);                                  // 27 us
+  vm.release_physical(h, 2 * kMiB);                        // 13.6 us
+  vm.free_address(va, 4 * kMiB);
+  CHECK(sim.clock_ns() == 1'000'000 + 13'600 + 55'000 + 27'000 + 13'600);
+  // The costs delay every later driver time; the clock never runs backwards.
+  sim.advance_clock_to(2'000'000);
+  CHECK(sim.clock_ns() == 2'000'000 + 109'200);
+  sim.advance_clock_to(0);
+  CHECK(sim.clock_ns() == 2'000'000 + 109'200);
+  SimBackend still;  // no driver time, no modelled costs: the clock stands still
+  const PhysicalHandle g = still.virtual_memory()->create_physical(2 * kMiB);
+  still.virtual_memory()->release_physical(g, 2 * kMiB);
+  CHECK(still.clock_ns() == 0);
+}
+
+TEST_CASE("sim: with a GPU lag, events complete late and a wait costs host time", "[core][sim]") {
+  SimOptions o;
+  o.auto_complete_events = true;
+  o.event_lag_ns = 5'000'000;
+  SimBackend sim(o);
+  const EventId a = sim.record_event(1);
+  CHECK_FALSE(sim.query_event(a));
+  sim.advance_clock_to(4'999'999);
+  CHECK_FALSE(sim.query_event(a));
+  sim.advance_clock_to(5'000'000);
+  CHECK(sim.query_event(a));
+  const EventId b = sim.record_event(1);  // ready at 10 ms
+  sim.synchronize_event(b);
+  CHECK(sim.query_event(b));
+  CHECK(sim.clock_ns() == 10'000'000);
+  sim.advance_clock_to(6'000'000);  // the wait delayed the driver's later times
+  CHECK(sim.clock_ns() == 11'000'000);
+  // A held stream stays busy however long the clock runs (record_stream in replays).
+  sim.hold_stream(2);
+  const EventId c = sim.record_event(2);
+  sim.advance_clock_to(100'000'000);
+  CHECK_FALSE(sim.query_event(c));
+  sim.release_stream(2);
+  CHECK(sim.query_event(c));
+  for (EventId e : {a, b, c}) {
+    sim.destroy_event(e);
+  }
+}

@@ -105,3 +105,53 @@ TEST_CASE("replay: native settings are taken from the trace", "[replay]") {
         "max_split_size_mb:256,garbage_collection_threshold:0.500000,expandable_segments:True,"
         "roundup_power2_divisions:[256:1,512:0,1024:4]");
 }
+
+TEST_CASE("replay: --phases splits the device calls into slices that add up to the totals",
+          "[replay]") {
+  const std::string policy = GENERATE(from_range(cachealloc::test::policy_names()));
+  INFO("policy " << policy);
+  const replay::PreparedTrace& t = prepared("mlp_two_streams.pickle.xz");
+  replay::ReplayOptions opts;
+  opts.phases = 7;
+  const replay::PolicyResult r = replay::run(t, policy, "", opts);
+  REQUIRE(r.phases.size() == 7);
+  std::uint64_t calls = 0;
+  std::uint64_t maps = 0;
+  std::uint64_t unmaps = 0;
+  for (std::size_t k = 0; k < r.phases.size(); ++k) {
+    calls += r.phases[k].device_calls;
+    maps += r.phases[k].maps;
+    unmaps += r.phases[k].unmaps;
+    if (k > 0) {
+      CHECK(r.phases[k].end_op > r.phases[k - 1].end_op);
+    }
+  }
+  CHECK(r.phases.back().end_op == t.ops.size());
+  CHECK(maps == r.map_calls);
+  CHECK(unmaps == r.unmap_calls);
+  CHECK(calls == r.device_reserve_calls + r.device_release_calls + r.map_calls + r.unmap_calls);
+  CHECK(r.phases.back().reserved <= r.peak_reserved);
+}
+
+#ifdef CACHEALLOC_HAS_DEFRAG
+TEST_CASE("replay: defrag reports its counters, and a lagging GPU makes its waits cost time",
+          "[replay][defrag]") {
+  const replay::PreparedTrace& t = prepared("gpt2_train_varlen.pickle.xz");
+  replay::ReplayOptions opts;
+  const replay::PolicyResult at_once = replay::run(t, "defrag", "", opts);
+  opts.gpu_lag_us = 5000;
+  const replay::PolicyResult lagging = replay::run(t, "defrag", "", opts);
+  CHECK(at_once.detail.find("pages created") != std::string::npos);
+  CHECK(at_once.detail.find("ms moving") != std::string::npos);
+  // The time spent moving (waits included) is read back from the detail line.
+  const auto moving_ms = [](const std::string& d) {
+    const auto end = d.find(" ms moving");
+    REQUIRE(end != std::string::npos);
+    const auto start = d.rfind(' ', end - 1);
+    return std::stod(d.substr(start + 1, end - start - 1));
+  };
+  INFO(at_once.detail << "\n" << lagging.detail);
+  CHECK(moving_ms(lagging.detail) > moving_ms(at_once.detail));
+  CHECK(static_cast<double>(lagging.peak_reserved) / static_cast<double>(t.peak_requested) <= 1.02);
+}
+#endif
