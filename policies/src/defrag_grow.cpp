@@ -344,13 +344,14 @@ void DefragEngine::raise_slack() noexcept {
 // charged: moving pages there is what keeps the peak low, and a job reaches its peak only so
 // often. Moves come in bursts (a few per step), so a window closes only after kMoveWindow moving
 // growths and kBudgetMinWindowNs, or after kBudgetMaxWindowNs; if the moves took more than
-// move_budget of it, the slack doubles (as above, up to max_grow_slack). A job that settles stops moving and never pays.
-// One whose layout keeps changing trades memory for time, up to max_grow_slack; that limit is
-// 0.25 because the pipeline above, replayed from its recording (batch 512-4096 at random),
-// stops moving only at 0.16-0.25, where expandable segments held 1.26x its live peak on the
-// H200. The budget is 0.02: at 0.01 the two-stream MLP of the shared traces, whose moves cost
-// 1-2% of its time, ends at 1.039 of its live peak instead of 1.020 (rising slack changes its
-// layout without stopping the moves), and at 0.005 the GPT-2 trace rises from 1.010 to 1.020.
+// move_budget of it, the slack doubles (as above, up to max_grow_slack). A job that settles
+// stops moving and never pays. One whose layout keeps changing trades memory for time, up to
+// max_grow_slack; that limit is 0.25 because the pipeline above, replayed from its recording
+// (batch 512-4096 at random), stops moving only at a slack of 0.16-0.25, and expandable
+// segments held about 1.24x its live peak on the H200. The budget is 0.02: replayed (peak
+// reserved / peak requested), the two-stream MLP of the shared traces, whose moves cost 1-2% of
+// its time, ends at 1.020 with a budget of 0.01 and 1.010 with 0.02 (a rising slack changes its
+// layout without stopping its moves), and the GPT-2 trace at 1.020 with 0.005, 1.010 with 0.01.
 void DefragEngine::note_move_time(std::uint64_t now_ns, std::uint64_t spent_ns) noexcept {
   counters_.move_ns += spent_ns;
   if (settings_.move_budget >= 1.0) {
