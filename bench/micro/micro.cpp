@@ -5,6 +5,20 @@
 //   holes/<policy>/<holes>    alloc+free of a size that fits no hole, with N free holes cached
 //                             (best-fit search cost must stay flat as holes grow: O(log n))
 //   threads/<policy>          alloc+free pairs from 1, 2, 4, 8 threads on one allocator
+//   cold/<policy>             a cached 64 KiB alloc+free pair after the CPU caches were flushed
+//                             (32 MiB of other data touched, untimed): what a call costs inside
+//                             a training step, where kernel launches and autograd run between
+//                             allocator calls (Note [Cold calls])
+//
+// Note [Cold calls]
+// In the e2e runs on the H200 every one of our policies spent 0.3-0.4 us per allocator call
+// inside resnet50's training step (cachealloc:size_class: 770 us per step for 1,212 pairs, with
+// no device call at all), 3-4x what pair/ measures with warm caches. cold/ measures the other
+// extreme, every line the pair touches coming from memory (manual timing of the pair alone; the
+// flush is outside the measurement): on the 2-core development machine a 64 KiB pair took
+// 3.2 us (size_class), 3.5 (native), 4.1 (async) and 4.9 (defrag) cold against 43-73 ns warm,
+// that is 40-60 cache lines from memory per pair. That count is what makes calls costly inside
+// a training step, and what a cheaper front end has to bring down.
 //
 // Run with --smoke (a ctest target does) for a tiny run that only proves they still work.
 #include <cachealloc/policies/registry.h>
@@ -12,6 +26,8 @@
 
 #include <benchmark/benchmark.h>
 
+#include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -91,6 +107,27 @@ void holes(benchmark::State& state, const std::string& policy) {
   }
 }
 
+void cold(benchmark::State& state, const std::string& policy) {
+  auto a = make(policy);
+  constexpr std::size_t kBytes = 64 * 1024;
+  a->deallocate(a->allocate(kBytes, 0));  // warm the cache of the allocator, once
+  std::vector<std::uint64_t> other(std::size_t{32} << 17);  // 32 MiB: more than L2, most of L3
+  std::uint64_t sum = 0;
+  for (auto _ : state) {
+    for (std::size_t i = 0; i < other.size(); i += 8) {  // one word per 64-byte line
+      other[i] += ++sum;
+    }
+    benchmark::ClobberMemory();
+    const auto start = std::chrono::steady_clock::now();
+    void* p = a->allocate(kBytes, 0);
+    benchmark::DoNotOptimize(std::as_const(p));
+    a->deallocate(p);
+    const auto stop = std::chrono::steady_clock::now();
+    state.SetIterationTime(std::chrono::duration<double>(stop - start).count());
+  }
+  benchmark::DoNotOptimize(sum);
+}
+
 /// One shared allocator per policy, built before any benchmark thread starts (creating it inside
 /// the benchmark raced with the other threads' first iterations).
 std::map<std::string, std::unique_ptr<DeviceAllocator>>& shared_allocators() {
@@ -133,6 +170,8 @@ int main(int argc, char** argv) {
         h->Arg(n);
       }
     }
+    // A fixed count: the flush (about 2 ms) is not timed, so a minimum time would run for hours.
+    benchmark::RegisterBenchmark(("cold/" + p).c_str(), cold, p)->UseManualTime()->Iterations(smoke ? 3 : 1000);
     shared_allocators()[p] = make(p);
     benchmark::RegisterBenchmark(("threads/" + p).c_str(), threads, p)->ThreadRange(1, 8)->UseRealTime();
     if (smoke) {
