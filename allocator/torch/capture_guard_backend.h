@@ -59,6 +59,8 @@ class CaptureGuardBackend final : public DeviceBackend, private VirtualMemory {
   [[nodiscard]] int device() const noexcept override { return inner_->device(); }
   [[nodiscard]] std::size_t total_memory() const override { return inner_->total_memory(); }
   [[nodiscard]] std::size_t free_memory() const override { return inner_->free_memory(); }
+  /// The wrapped backend's clock (a simulated one in replays: Note [Simulated time]).
+  [[nodiscard]] std::uint64_t clock_ns() const noexcept override { return inner_->clock_ns(); }
 
   [[nodiscard]] EventId record_event(StreamId stream) override;
   [[nodiscard]] bool query_event(EventId event) override;

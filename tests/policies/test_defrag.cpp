@@ -74,6 +74,7 @@ class OracleBackend final : public DeviceBackend, private VirtualMemory {
   [[nodiscard]] std::string_view name() const noexcept override { return "oracle"; }
   [[nodiscard]] int device() const noexcept override { return 0; }
   [[nodiscard]] std::size_t total_memory() const override { return inner_.total_memory(); }
+  [[nodiscard]] std::uint64_t clock_ns() const noexcept override { return inner_.clock_ns(); }
   [[nodiscard]] std::size_t free_memory() const override { return inner_.free_memory(); }
   [[nodiscard]] VirtualMemory* virtual_memory() noexcept override { return this; }
 
