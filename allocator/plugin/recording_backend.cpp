@@ -27,25 +27,6 @@ void RecordingBackend::do_release(void* ptr, std::size_t bytes) noexcept {
   inner_->release(ptr, bytes);
 }
 
-PhysicalHandle RecordingBackend::do_create_physical(std::size_t bytes) {
-  physical_sizes_.reserve(physical_sizes_.size() + 1);  // no allocation after the handle exists
-  const PhysicalHandle handle = inner_vm_->create_physical(bytes);
-  if (handle != 0) {
-    physical_sizes_.emplace(handle, bytes);
-  }
-  return handle;
-}
-
-void RecordingBackend::do_release_physical(PhysicalHandle handle) noexcept {
-  const auto it = physical_sizes_.find(handle);
-  if (it == physical_sizes_.end()) {
-    return;  // not ours: the base class already refused to count it
-  }
-  const std::size_t bytes = it->second;
-  physical_sizes_.erase(it);
-  inner_vm_->release_physical(handle, bytes);
-}
-
 void RecordingBackend::do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) {
   inner_vm_->map(va, bytes, handle);
   recorder_.record(trace::Action::segment_map, device(), va, bytes, 0);

@@ -26,7 +26,6 @@
 #include <cstdint>
 #include <memory>
 #include <string_view>
-#include <unordered_map>
 
 namespace cachealloc::plugin {
 
@@ -66,8 +65,12 @@ class RecordingBackend final : public DeviceBackend, private VirtualMemory {
   void free_address(std::uintptr_t va, std::size_t bytes) noexcept override {
     inner_vm_->free_address(va, bytes);
   }
-  [[nodiscard]] PhysicalHandle do_create_physical(std::size_t bytes) override;
-  void do_release_physical(PhysicalHandle handle) noexcept override;
+  [[nodiscard]] PhysicalHandle do_create_physical(std::size_t bytes) override {
+    return inner_vm_->create_physical(bytes);
+  }
+  void do_release_physical(PhysicalHandle handle, std::size_t bytes) noexcept override {
+    inner_vm_->release_physical(handle, bytes);
+  }
   void do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) override;
   void do_unmap(std::uintptr_t va, std::size_t bytes) override;
   void do_map_run(std::uintptr_t va, std::span<const MapPiece> pieces) override;
@@ -75,8 +78,6 @@ class RecordingBackend final : public DeviceBackend, private VirtualMemory {
   std::unique_ptr<DeviceBackend> inner_;
   VirtualMemory* inner_vm_;
   Recorder& recorder_;
-  /// Sizes of live physical handles: release_physical() on the wrapped backend needs them.
-  std::unordered_map<PhysicalHandle, std::size_t> physical_sizes_;
 };
 
 }  // namespace cachealloc::plugin

@@ -51,7 +51,7 @@ PhysicalHandle VirtualMemory::create_physical(std::size_t bytes) {
 
 void VirtualMemory::release_physical(PhysicalHandle handle, std::size_t bytes) noexcept {
   DeviceBackend& b = *owner_;
-  do_release_physical(handle);
+  do_release_physical(handle, bytes);
   ++b.counters_.physical_releases;
   b.held_bytes_ -= bytes;
   physical_bytes_ -= bytes;

@@ -228,7 +228,7 @@ PhysicalHandle SimBackend::do_create_physical(std::size_t bytes) {
   return h;
 }
 
-void SimBackend::do_release_physical(PhysicalHandle handle) noexcept {
+void SimBackend::do_release_physical(PhysicalHandle handle, std::size_t /*bytes*/) noexcept {
   physical_.erase(handle);
   charge(13'600);
 }

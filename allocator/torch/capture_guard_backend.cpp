@@ -109,23 +109,8 @@ void CaptureGuardBackend::do_release(void* ptr, std::size_t bytes) noexcept {
 }
 
 PhysicalHandle CaptureGuardBackend::do_create_physical(std::size_t bytes) {
-  physical_sizes_.reserve(physical_sizes_.size() + 1);  // no allocation after the handle exists
   const Relaxed relaxed(*this);
-  const PhysicalHandle handle = inner_vm_->create_physical(bytes);
-  if (handle != 0) {
-    physical_sizes_.emplace(handle, bytes);
-  }
-  return handle;
-}
-
-void CaptureGuardBackend::do_release_physical(PhysicalHandle handle) noexcept {
-  const auto it = physical_sizes_.find(handle);
-  if (it == physical_sizes_.end()) {
-    return;
-  }
-  const std::size_t bytes = it->second;
-  physical_sizes_.erase(it);
-  inner_vm_->release_physical(handle, bytes);
+  return inner_vm_->create_physical(bytes);
 }
 
 void CaptureGuardBackend::do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) {

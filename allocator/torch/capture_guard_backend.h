@@ -99,7 +99,9 @@ class CaptureGuardBackend final : public DeviceBackend, private VirtualMemory {
   }
   void free_address(std::uintptr_t va, std::size_t bytes) noexcept override { inner_vm_->free_address(va, bytes); }
   [[nodiscard]] PhysicalHandle do_create_physical(std::size_t bytes) override;
-  void do_release_physical(PhysicalHandle handle) noexcept override;
+  void do_release_physical(PhysicalHandle handle, std::size_t bytes) noexcept override {
+    inner_vm_->release_physical(handle, bytes);
+  }
   void do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) override;
   void do_map_run(std::uintptr_t va, std::span<const MapPiece> pieces) override;
   void do_unmap(std::uintptr_t va, std::size_t bytes) override;
@@ -133,8 +135,6 @@ class CaptureGuardBackend final : public DeviceBackend, private VirtualMemory {
   std::unordered_map<EventId, DeferredEvent> deferred_events_;
   EventId next_deferred_ = 1;
   std::vector<std::pair<void*, std::size_t>> deferred_releases_;
-  /// Sizes of live physical handles: release_physical() on the wrapped backend needs them.
-  std::unordered_map<PhysicalHandle, std::size_t> physical_sizes_;
 };
 
 }  // namespace cachealloc::torch_adapter

@@ -156,15 +156,10 @@ class OracleBackend final : public DeviceBackend, private VirtualMemory {
     vm_.free_address(va, bytes);
   }
   [[nodiscard]] PhysicalHandle do_create_physical(std::size_t bytes) override {
-    const PhysicalHandle h = vm_.create_physical(bytes);
-    if (h != 0) {
-      sizes_[h] = bytes;
-    }
-    return h;
+    return vm_.create_physical(bytes);
   }
-  void do_release_physical(PhysicalHandle handle) noexcept override {
-    vm_.release_physical(handle, sizes_[handle]);
-    sizes_.erase(handle);
+  void do_release_physical(PhysicalHandle handle, std::size_t bytes) noexcept override {
+    vm_.release_physical(handle, bytes);
   }
   void do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) override {
     vm_.map(va, bytes, handle);
@@ -182,7 +177,6 @@ class OracleBackend final : public DeviceBackend, private VirtualMemory {
 
   SimBackend inner_;
   VirtualMemory& vm_;
-  std::unordered_map<PhysicalHandle, std::size_t> sizes_;
   std::map<EventId, std::pair<StreamId, std::uint64_t>> events_;
   std::map<StreamId, std::uint64_t> submitted_;
   std::map<StreamId, std::uint64_t> completed_;

@@ -96,7 +96,7 @@ PhysicalHandle CudaVmmBackend::do_create_physical(std::size_t bytes) {
   return static_cast<PhysicalHandle>(handle);
 }
 
-void CudaVmmBackend::do_release_physical(PhysicalHandle handle) noexcept {
+void CudaVmmBackend::do_release_physical(PhysicalHandle handle, std::size_t /*bytes*/) noexcept {
   try {
     const cuda_detail::DriverApi& api = cuda_detail::driver_api();
     CudaDeviceGuard guard(device(), /*force=*/true);

@@ -77,7 +77,8 @@ class VirtualMemory {
  protected:
   friend class DeviceBackend;
   [[nodiscard]] virtual PhysicalHandle do_create_physical(std::size_t bytes) = 0;
-  virtual void do_release_physical(PhysicalHandle handle) noexcept = 0;
+  /// `bytes`: the size create_physical() gave it (adaptors pass it on to the wrapped backend).
+  virtual void do_release_physical(PhysicalHandle handle, std::size_t bytes) noexcept = 0;
   virtual void do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) = 0;
   virtual void do_unmap(std::uintptr_t va, std::size_t bytes) = 0;
   /// Default: do_map piece by piece, undoing the pieces mapped when one fails.

@@ -152,7 +152,7 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
   [[nodiscard]] std::uintptr_t reserve_address(std::size_t bytes) override;
   void free_address(std::uintptr_t va, std::size_t bytes) noexcept override;
   [[nodiscard]] PhysicalHandle do_create_physical(std::size_t bytes) override;
-  void do_release_physical(PhysicalHandle handle) noexcept override;
+  void do_release_physical(PhysicalHandle handle, std::size_t bytes) noexcept override;
   void do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) override;
   void do_unmap(std::uintptr_t va, std::size_t bytes) override;
 

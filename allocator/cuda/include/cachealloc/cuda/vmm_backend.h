@@ -49,7 +49,7 @@ class CudaVmmBackend final : public CudaRuntimeBackend, private VirtualMemory {
 
  private:
   [[nodiscard]] PhysicalHandle do_create_physical(std::size_t bytes) override;
-  void do_release_physical(PhysicalHandle handle) noexcept override;
+  void do_release_physical(PhysicalHandle handle, std::size_t bytes) noexcept override;
   void do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) override;
   void do_unmap(std::uintptr_t va, std::size_t bytes) override;
   void do_map_run(std::uintptr_t va, std::span<const MapPiece> pieces) override;
