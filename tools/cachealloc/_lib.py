@@ -106,17 +106,7 @@ def load_torch() -> ctypes.CDLL:
         if _torch_lib is None:
             path = find_torch_library()
             lib = ctypes.CDLL(path)
-            c = ctypes
-            lib.cachealloc_torch_install.restype = c.c_int
-            lib.cachealloc_torch_install.argtypes = [c.c_char_p, c.c_char_p, c.c_size_t]
-            lib.cachealloc_torch_is_installed.restype = c.c_int
-            lib.cachealloc_torch_is_installed.argtypes = []
-            lib.cachealloc_torch_built_for.restype = c.c_char_p
-            lib.cachealloc_torch_built_for.argtypes = []
-            lib.cachealloc_torch_version.restype = c.c_char_p
-            lib.cachealloc_torch_version.argtypes = []
-            lib.cachealloc_torch_allocator_ns.restype = c.c_uint64
-            lib.cachealloc_torch_allocator_ns.argtypes = [c.c_int]
+            _declare(lib, _TORCH_SIGNATURES)
             _torch_lib, _torch_lib_path = lib, path
         return _torch_lib
 
@@ -125,35 +115,44 @@ def loaded_torch_path() -> Optional[str]:
     return _torch_lib_path
 
 
-def _declare(lib: ctypes.CDLL) -> None:
-    c = ctypes
-    sigs: dict[str, tuple[Any, list[Any]]] = {
-        "cachealloc_alloc": (c.c_void_p, [c.c_size_t, c.c_int, c.c_void_p]),
-        "cachealloc_free": (None, [c.c_void_p, c.c_size_t, c.c_int, c.c_void_p]),
-        "cachealloc_init": (None, [c.c_int]),
-        "cachealloc_reset": (None, []),
-        "cachealloc_set_memory_fraction": (None, [c.c_double, c.c_int]),
-        "cachealloc_record_stream": (None, [c.c_void_p, c.c_void_p]),
-        "cachealloc_base_alloc": (c.c_void_p, [c.c_void_p, c.POINTER(c.c_size_t)]),
-        "cachealloc_memory_stats_json": (c.c_int64, [c.c_int, c.c_char_p, c.c_size_t]),
-        "cachealloc_policies_json": (c.c_int64, [c.c_char_p, c.c_size_t]),
-        "cachealloc_reset_peak": (c.c_int, [c.c_int]),
-        "cachealloc_reset_accumulated": (c.c_int, [c.c_int]),
-        "cachealloc_empty_cache": (c.c_int, [c.c_int]),
-        "cachealloc_dump_snapshot": (c.c_int, [c.c_char_p]),
-        "cachealloc_allocator_ns": (c.c_uint64, [c.c_int]),
-        "cachealloc_validate_config": (c.c_int, [c.c_char_p]),
-        "cachealloc_check_invariants": (c.c_int, [c.c_int]),
-        "cachealloc_policy_name": (c.c_char_p, []),
-        "cachealloc_device_count": (c.c_int, []),
-        "cachealloc_is_active": (c.c_int, []),
-        "cachealloc_is_torch_plugin": (c.c_int, []),
-        "cachealloc_last_error": (c.c_char_p, []),
-        "cachealloc_last_error_code": (c.c_int, []),
-        "cachealloc_clear_error": (None, []),
-        "cachealloc_version": (c.c_char_p, []),
-    }
-    for name, (restype, argtypes) in sigs.items():
+# The C entry points' signatures: name -> (restype, argtypes).
+_PLUGIN_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
+    "cachealloc_alloc": (ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]),
+    "cachealloc_free": (None, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]),
+    "cachealloc_init": (None, [ctypes.c_int]),
+    "cachealloc_reset": (None, []),
+    "cachealloc_set_memory_fraction": (None, [ctypes.c_double, ctypes.c_int]),
+    "cachealloc_record_stream": (None, [ctypes.c_void_p, ctypes.c_void_p]),
+    "cachealloc_base_alloc": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]),
+    "cachealloc_memory_stats_json": (ctypes.c_int64, [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]),
+    "cachealloc_policies_json": (ctypes.c_int64, [ctypes.c_char_p, ctypes.c_size_t]),
+    "cachealloc_reset_peak": (ctypes.c_int, [ctypes.c_int]),
+    "cachealloc_reset_accumulated": (ctypes.c_int, [ctypes.c_int]),
+    "cachealloc_empty_cache": (ctypes.c_int, [ctypes.c_int]),
+    "cachealloc_dump_snapshot": (ctypes.c_int, [ctypes.c_char_p]),
+    "cachealloc_allocator_ns": (ctypes.c_uint64, [ctypes.c_int]),
+    "cachealloc_validate_config": (ctypes.c_int, [ctypes.c_char_p]),
+    "cachealloc_check_invariants": (ctypes.c_int, [ctypes.c_int]),
+    "cachealloc_policy_name": (ctypes.c_char_p, []),
+    "cachealloc_device_count": (ctypes.c_int, []),
+    "cachealloc_is_active": (ctypes.c_int, []),
+    "cachealloc_is_torch_plugin": (ctypes.c_int, []),
+    "cachealloc_last_error": (ctypes.c_char_p, []),
+    "cachealloc_last_error_code": (ctypes.c_int, []),
+    "cachealloc_clear_error": (None, []),
+    "cachealloc_version": (ctypes.c_char_p, []),
+}
+_TORCH_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
+    "cachealloc_torch_install": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]),
+    "cachealloc_torch_is_installed": (ctypes.c_int, []),
+    "cachealloc_torch_built_for": (ctypes.c_char_p, []),
+    "cachealloc_torch_version": (ctypes.c_char_p, []),
+    "cachealloc_torch_allocator_ns": (ctypes.c_uint64, [ctypes.c_int]),
+}
+
+
+def _declare(lib: ctypes.CDLL, signatures: dict[str, tuple[Any, list[Any]]]) -> None:
+    for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
         fn.restype = restype
         fn.argtypes = argtypes
@@ -166,7 +165,7 @@ def load() -> ctypes.CDLL:
         if _lib is None:
             path = find_library()
             lib = ctypes.CDLL(path)
-            _declare(lib)
+            _declare(lib, _PLUGIN_SIGNATURES)
             _lib, _lib_path = lib, path
         return _lib
 
