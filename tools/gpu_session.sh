@@ -257,6 +257,10 @@ export -f fuzz_campaigns record_e2e_traces gpu_suite_quick setup gpu_suite_memch
 
 # ---- the stages ----------------------------------------------------------------------------
 
+# The key figures of the steps that several stages run (read from the step's log, "$L").
+E2E_FIGURE='grep -E "^run_e2e: (round 1|measured steps|[0-9]+ runs)" "$L"; grep -c FAILED "$L" | sed "s/$/ failed runs/"'
+SUITE_FIGURE='grep -E "^(All tests passed|test cases)|ERROR SUMMARY|Failed" "$L" | tr -s " " | head -4'
+
 echo "gpu_session $stage: budget ${BUDGET}s, logs in $WORK -> $OUT/${stage}_logs.tar.gz"
 step setup 90 'grep -E "^torch|NVIDIA|MISSING|pip install" "$L" | head -4' setup
 if [[ $stage == gpu ]]; then
@@ -282,7 +286,7 @@ elif [[ $stage == fuzz ]]; then
 elif [[ $stage == last ]]; then
   # The GPU suite, then on cores 0-3 the micro benchmarks and an e2e subset (E2E_ARGS) while a
   # fuzz campaign (FUZZ_TARGETS, default replay on 12 workers) runs on cores 4-15 at nice 19.
-  step gpu_suite_quick 150 'grep -E "^(All tests passed|test cases)|ERROR SUMMARY|Failed" "$L" | tr -s " " | head -4' gpu_suite_quick
+  step gpu_suite_quick 150 "$SUITE_FIGURE" gpu_suite_quick
   cores=$(nproc)
   if ((cores >= 8)); then
     fuzz_pin="taskset -c 4-$((cores - 1))" bench_pin="taskset -c 0-3"
@@ -292,21 +296,21 @@ elif [[ $stage == last ]]; then
   export FUZZ_TARGETS=${FUZZ_TARGETS:-replay:$((cores >= 8 ? cores - 4 : 1))}
   (step fuzz_campaigns 600 'grep -hE "^fuzz_" "$WORK"/campaign_*.log | sort -u | tr -s " "' "$fuzz_pin bash -c fuzz_campaigns") &
   step gpu_bench 280 'grep -E "^RATIO" "$OUT/gpu_bench.md" | head -8; grep -E "^total:" "$OUT/gpu_bench.md"' "$bench_pin bash -c gpu_bench"
-  step e2e 200 'grep -E "^run_e2e: (round 1|measured steps|[0-9]+ runs)" "$L"; grep -c FAILED "$L" | sed "s/$/ failed runs/"' "$bench_pin bash -c e2e"
+  step e2e 200 "$E2E_FIGURE" "$bench_pin bash -c e2e"
   wait
   tail -30 "$WORK/e2e.log"
 elif [[ $stage == closing ]]; then
   # The GPU suite (plain) and memcheck on the record_stream tests, then the end-to-end run.
-  step gpu_suite_quick 150 'grep -E "^(All tests passed|test cases)|ERROR SUMMARY|Failed" "$L" | tr -s " " | head -4' gpu_suite_quick
-  step e2e 600 'grep -E "^run_e2e: (round 1|measured steps|[0-9]+ runs)" "$L"; grep -c FAILED "$L" | sed "s/$/ failed runs/"' e2e
+  step gpu_suite_quick 150 "$SUITE_FIGURE" gpu_suite_quick
+  step e2e 600 "$E2E_FIGURE" e2e
   tail -40 "$WORK/e2e.log"
 elif [[ $stage == final ]]; then
   # The adapter's tests, then the end-to-end run with what is left (one device call).
   step pytest_adapter 200 'grep -hE "[0-9]+ (passed|failed)" "$WORK"/pytest_*.log | tr "\n" " "' pytest_adapter
-  step e2e 600 'grep -E "^run_e2e: (round 1|measured steps|[0-9]+ runs)" "$L"; grep -c FAILED "$L" | sed "s/$/ failed runs/"' e2e
+  step e2e 600 "$E2E_FIGURE" e2e
   tail -40 "$WORK/e2e.log"
 else
-  step e2e 600 'grep -E "^run_e2e: (round 1|measured steps|[0-9]+ runs)" "$L"; grep -c FAILED "$L" | sed "s/$/ failed runs/"' e2e
+  step e2e 600 "$E2E_FIGURE" e2e
   tail -40 "$WORK/e2e.log"
 fi
 echo "total: $(($(date +%s) - T0))s of ${BUDGET}s" | tee -a "$SUMMARY"
