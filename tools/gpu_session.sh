@@ -13,7 +13,8 @@
 #                                      # (E2E_ARGS) on cores 0-3 beside a fuzz campaign on 4-15
 #   bash tools/gpu_session.sh fuzz  # the three 10M-execution fuzz campaigns side by side (carry
 #                                   # fuzz-bundle), and the e2e workloads recorded as snapshots
-#                                   # in $OUT/traces (tools/scripts/record_e2e_traces.py) (~9 min)
+#                                   # in $OUT/traces (tools/scripts/record_e2e_traces.py) (~9 min);
+#                                   # FUZZ_TARGETS="replay:16" RECORD_E2E=0: one target on every core
 #
 # Device calls (binaries prebuilt here by tools/make_gpu_bundle.sh, carried; no device time goes
 # to compiling):
@@ -280,7 +281,10 @@ if [[ $stage == gpu ]]; then
   fi
 elif [[ $stage == fuzz ]]; then
   # Recording (GPU, one core) runs beside the campaigns (CPU): its timing does not matter.
-  (step record_e2e_traces 300 'grep -E "^(gpt2|resnet50|pipeline):" "$L" | cut -c1-90' record_e2e_traces) &
+  # RECORD_E2E=0 leaves it out (a campaign alone, on every core).
+  if [[ ${RECORD_E2E:-1} != 0 ]]; then
+    (step record_e2e_traces 300 'grep -E "^(gpt2|resnet50|pipeline):" "$L" | cut -c1-90' record_e2e_traces) &
+  fi
   step fuzz_campaigns 600 'grep -hE "^fuzz_" "$WORK"/campaign_*.log | sort -u | tr -s " "' fuzz_campaigns
   wait
 elif [[ $stage == last ]]; then
