@@ -217,8 +217,64 @@ Block SizeClassPolicy::allocate_small(std::size_t bytes, StreamId stream) {
   return {};
 }
 
+SizeClassPolicy::BlockMeta* SizeClassPolicy::take_recent(Pool& p, std::size_t size) noexcept {
+  // Newest first: the block freed last is the likeliest to be asked for again.
+  for (std::size_t i = p.recent_count; i-- > 0;) {
+    BlockMeta* b = p.recent[i];
+    if (b->size == size) {
+      std::copy(p.recent.begin() + static_cast<std::ptrdiff_t>(i) + 1,
+                p.recent.begin() + static_cast<std::ptrdiff_t>(p.recent_count),
+                p.recent.begin() + static_cast<std::ptrdiff_t>(i));
+      --p.recent_count;
+      b->recent = false;
+      return b;
+    }
+  }
+  return nullptr;
+}
+
+void SizeClassPolicy::push_recent(BlockMeta* b) {
+  Pool& p = pool(b->owner);
+  if (p.recent_count == kRecent) {
+    // Before `b` counts as free: the oldest may be its neighbour and must not merge with it.
+    BlockMeta* oldest = p.recent[0];
+    std::copy(p.recent.begin() + 1, p.recent.end(), p.recent.begin());
+    --p.recent_count;
+    oldest->recent = false;
+    coalesce_and_insert(oldest);
+  }
+  b->free = true;
+  b->recent = true;
+  b->free_seq = ++free_seq_;
+  p.recent[p.recent_count++] = b;
+}
+
+void SizeClassPolicy::flush_recent(Pool& p) {
+  while (p.recent_count > 0) {
+    BlockMeta* b = p.recent[--p.recent_count];
+    b->recent = false;
+    // insert_free gives it a newer free sequence number than its free had: a migration epoch
+    // then covers it later than it could, never earlier.
+    coalesce_and_insert(b);
+  }
+}
+
+void SizeClassPolicy::flush_all_recent() {
+  for (auto& p : pools_) {
+    flush_recent(*p);
+  }
+}
+
 Block SizeClassPolicy::allocate_large(std::size_t bytes, StreamId stream) {
   const std::size_t size = round_up(bytes, kRound);
+  Pool* own = find_pool(stream);
+  if (own != nullptr && own->recent_count > 0) {
+    if (BlockMeta* b = take_recent(*own, size)) {
+      b->free = false;
+      return Block{reinterpret_cast<void*>(b->addr), b->size, b};
+    }
+    flush_recent(*own);
+  }
   const LargeKey key{size, 0, nullptr};
   BlockMeta* best = nullptr;
   for (int attempt = 0; attempt < 2 && best == nullptr; ++attempt) {
@@ -272,7 +328,7 @@ void SizeClassPolicy::deallocate(Block block, StreamId stream) noexcept {
       --b->segment->live_blocks;
       insert_free(b);
     } else {
-      coalesce_and_insert(b);
+      push_recent(b);
     }
   } catch (...) {  // NOLINT(bugprone-empty-catch)
     // Only std::bad_alloc from a container can land here; the block then stays out of the free
@@ -282,7 +338,7 @@ void SizeClassPolicy::deallocate(Block block, StreamId stream) noexcept {
 
 void SizeClassPolicy::coalesce_and_insert(BlockMeta* b) {
   for (BlockMeta* n : {b->prev, b->next}) {
-    if (n == nullptr || !n->free || n->owner != b->owner) {
+    if (n == nullptr || !n->free || n->recent || n->owner != b->owner) {
       continue;
     }
     erase_free(n);
@@ -307,6 +363,9 @@ void SizeClassPolicy::coalesce_and_insert(BlockMeta* b) {
 }
 
 bool SizeClassPolicy::migrate_epochs(StreamId requester) {
+  // Recent blocks are outside the free sets the epochs move: put them in first, so that the
+  // event recorded below covers them too (Note [Recently freed large blocks]).
+  flush_all_recent();
   bool moved = false;
   for (auto& up : pools_) {
     Pool& p = *up;
@@ -373,6 +432,7 @@ bool SizeClassPolicy::migrate_epochs(StreamId requester) {
 std::size_t SizeClassPolicy::release_cached() {
   // A segment goes back when every block in it is free, whichever streams' pools hold them:
   // cudaFree synchronizes the device, so no stream can still be using them afterwards.
+  flush_all_recent();
   std::size_t released = 0;
   for (auto& up : segments_) {
     Segment* seg = up.get();
@@ -412,6 +472,7 @@ void SizeClassPolicy::check_invariants() const {
   std::size_t reserved = 0;
   std::size_t free_small = 0;
   std::size_t free_large = 0;
+  std::size_t recent_large = 0;
   for (const auto& up : segments_) {
     if (!up) {
       continue;
@@ -443,17 +504,32 @@ void SizeClassPolicy::check_invariants() const {
       CACHEALLOC_CHECK_INVARIANT(b->addr == expect, "gap or overlap between large blocks");
       CACHEALLOC_CHECK_INVARIANT(b->next == nullptr || b->next->prev == b, "broken block links");
       CACHEALLOC_CHECK_INVARIANT(b->segment == &seg && !b->small, "block chain crosses segments");
+      CACHEALLOC_CHECK_INVARIANT(!b->recent || b->free, "a recent block that is not free");
       CACHEALLOC_CHECK_INVARIANT(
-          !(b->free && b->next != nullptr && b->next->free && b->next->owner == b->owner),
+          !(b->free && !b->recent && b->next != nullptr && b->next->free && !b->next->recent &&
+            b->next->owner == b->owner),
           "two free neighbours of one owner not coalesced");
-      free_large += b->free ? 1 : 0;
+      free_large += b->free && !b->recent ? 1 : 0;
+      recent_large += b->recent ? 1 : 0;
       expect += b->size;
     }
     CACHEALLOC_CHECK_INVARIANT(expect == seg.base + seg.size, "large blocks do not tile their segment");
   }
   std::size_t listed_small = 0;
   std::size_t listed_large = 0;
+  std::size_t listed_recent = 0;
   for (const auto& p : pools_) {
+    CACHEALLOC_CHECK_INVARIANT(p->recent_count <= kRecent, "recent FIFO overfull");
+    for (std::size_t i = 0; i < p->recent_count; ++i) {
+      const BlockMeta* b = p->recent[i];
+      CACHEALLOC_CHECK_INVARIANT(b->recent && b->free && !b->small && b->owner == p->stream,
+                                 "recent FIFO holds a wrong block");
+      CACHEALLOC_CHECK_INVARIANT(
+          std::find(p->recent.begin(), p->recent.begin() + static_cast<std::ptrdiff_t>(i), b) ==
+              p->recent.begin() + static_cast<std::ptrdiff_t>(i),
+          "a block twice in a recent FIFO");
+      ++listed_recent;
+    }
     for (const LargeKey& k : p->large) {
       const BlockMeta* b = k.meta;
       CACHEALLOC_CHECK_INVARIANT(b->free && !b->small && b->owner == p->stream,
@@ -472,6 +548,7 @@ void SizeClassPolicy::check_invariants() const {
   }
   CACHEALLOC_CHECK_INVARIANT(listed_small == free_small, "a free small block is on no free list");
   CACHEALLOC_CHECK_INVARIANT(listed_large == free_large, "a free large block is on no free set");
+  CACHEALLOC_CHECK_INVARIANT(listed_recent == recent_large, "a recent block is on no recent FIFO");
   CACHEALLOC_CHECK_INVARIANT(reserved == reserved_, "reserved bytes disagree with segments");
   CACHEALLOC_CHECK_INVARIANT(backend_.held_bytes() >= reserved_,
                              "backend holds less than the policy reserved");

@@ -7,6 +7,16 @@
 // (requests under 10 MiB) or of the request rounded to 2 MiB, split when the remainder could
 // serve another large request (> 1 MiB), and coalesced with free neighbours on free.
 //
+// Note [Recently freed large blocks]
+// A training step frees and re-requests the same large sizes over and over; splitting a block
+// out of its segment and coalescing it back on free costs three tree updates per pair (as much
+// as the rest of the pair together). So a freed large block first goes, uncoalesced and outside
+// the free set, to its stream's short FIFO of recent frees (kRecent); a request of exactly its
+// size on that stream takes it back in O(1). The oldest entry, and every entry as soon as the
+// stream's request misses the FIFO, is coalesced into the free set, so best-fit searches,
+// growth decisions and migrations see the same coalesced free space as without the FIFO: a
+// recent block only ever serves a request of its exact size.
+//
 // Note [Stream-aware reuse in size_class]
 // A freed block is owned by the stream it was freed on and is reused at once by that stream
 // only. When another stream misses, the policy records one event per owning stream (an
@@ -92,7 +102,8 @@ class SizeClassPolicy {
     std::uint16_t size_class;  // small only
     bool small;
     bool free;
-    LargeSet::iterator large_it{};  // large and free: its entry in the owner pool's set
+    bool recent = false;            // large, free, in its owner pool's `recent` (not in `large`)
+    LargeSet::iterator large_it{};  // large and free and not recent: its entry in the owner's set
   };
   struct Segment {
     std::uintptr_t base;
@@ -105,10 +116,13 @@ class SizeClassPolicy {
     std::vector<BlockMeta*> small_blocks;
   };
   static constexpr std::size_t kClassCount = 48;
+  static constexpr std::size_t kRecent = 4;  ///< Note [Recently freed large blocks]
   struct Pool {
     explicit Pool(std::pmr::memory_resource* nodes) : large(nodes) {}
     StreamId stream = 0;
     LargeSet large;
+    std::array<BlockMeta*, kRecent> recent{};  // oldest first
+    std::size_t recent_count = 0;
     std::array<std::vector<BlockMeta*>, kClassCount> small;
     std::uint64_t epoch_event = 0;  // EventId of an in-flight migration, 0 = none
     std::uint64_t epoch_seq = 0;    // blocks freed up to this sequence are covered by it
@@ -121,6 +135,13 @@ class SizeClassPolicy {
   void insert_free(BlockMeta* b);
   /// Merges `b` with free neighbours of the same owner and puts it on its owner's free set.
   void coalesce_and_insert(BlockMeta* b);
+  /// A freed large block onto its owner's recent FIFO (Note [Recently freed large blocks]).
+  void push_recent(BlockMeta* b);
+  /// The recent block of exactly `size` on `p`, taken off the FIFO; nullptr when none.
+  static BlockMeta* take_recent(Pool& p, std::size_t size) noexcept;
+  /// Coalesces every recent block of `p` into its free set.
+  void flush_recent(Pool& p);
+  void flush_all_recent();
   void erase_free(BlockMeta* b);
   /// Completes finished migration epochs and starts new ones (Note [Stream-aware reuse]).
   bool migrate_epochs(StreamId requester);
