@@ -66,7 +66,13 @@ TEST_CASE("pointer map agrees with std::unordered_map under random churn", "[cor
       keys.push_back(k);
     } else {
       const std::size_t j = rng() % keys.size();
-      CHECK(map.erase(keys[j]));
+      if (rng() % 2 == 0) {
+        CHECK(map.erase(keys[j]));
+      } else {
+        int taken = -1;
+        CHECK(map.take(keys[j], taken));
+        CHECK(taken == ref[keys[j]]);
+      }
       ref.erase(keys[j]);
       keys[j] = keys.back();
       keys.pop_back();
@@ -79,6 +85,10 @@ TEST_CASE("pointer map agrees with std::unordered_map under random churn", "[cor
     CHECK(*found == v);
   }
   CHECK(map.find(512 * 100001) == nullptr);
+  int untouched = 42;
+  CHECK_FALSE(map.take(512 * 100001, untouched));
+  CHECK_FALSE(map.take(0, untouched));
+  CHECK(untouched == 42);
 }
 
 TEST_CASE("sim backend: capacity, deterministic addresses, events, faults", "[sim]") {

@@ -181,13 +181,11 @@ class CachingAllocator final : public DeviceAllocator {
     }
     std::lock_guard lock(mutex_);
     const auto key = reinterpret_cast<std::uintptr_t>(ptr);
-    Entry* entry = map_.find(key);
-    if (entry == nullptr) {
+    Entry e;
+    if (!map_.take(key, e)) {
       ++stats_.usage_errors;
       throw UsageError(unknown_pointer_message(ptr, "free"));
     }
-    Entry e = std::move(*entry);
-    map_.erase(key);
     ++stats_.free_calls;
     stats_.allocated_bytes.decrease(static_cast<std::int64_t>(e.block.size));
     stats_.requested_bytes.decrease(static_cast<std::int64_t>(e.requested));

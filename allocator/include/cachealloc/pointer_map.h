@@ -51,17 +51,55 @@ class PointerMap {
 
   /// Removes `key` if present; returns whether it was.
   bool erase(std::uintptr_t key) noexcept {
-    if (key == 0) {
+    const std::size_t i = slot_of(key);
+    if (i == kAbsent) {
       return false;
     }
-    const std::size_t mask = slots_.size() - 1;
-    std::size_t i = hash(key) & mask;
-    while (slots_[i].key != key) {
-      if (slots_[i].key == 0) {
-        return false;
-      }
-      i = (i + 1) & mask;
+    remove_slot(i);
+    return true;
+  }
+
+  /// Moves the value of `key` into `out` and removes it, with one probe (a free's lookup and
+  /// removal together); false, `out` untouched, when `key` is absent.
+  bool take(std::uintptr_t key, V& out) noexcept {
+    const std::size_t i = slot_of(key);
+    if (i == kAbsent) {
+      return false;
     }
+    out = std::move(slots_[i].value);
+    remove_slot(i);
+    return true;
+  }
+
+  template <class F>
+  void for_each(F&& f) const {
+    for (const Slot& s : slots_) {
+      if (s.key != 0) {
+        f(s.key, s.value);
+      }
+    }
+  }
+
+ private:
+  static constexpr std::size_t kAbsent = ~std::size_t{0};
+
+  std::size_t slot_of(std::uintptr_t key) const noexcept {
+    if (key == 0) {
+      return kAbsent;
+    }
+    const std::size_t mask = slots_.size() - 1;
+    for (std::size_t i = hash(key) & mask;; i = (i + 1) & mask) {
+      if (slots_[i].key == key) {
+        return i;
+      }
+      if (slots_[i].key == 0) {
+        return kAbsent;
+      }
+    }
+  }
+
+  void remove_slot(std::size_t i) noexcept {
+    const std::size_t mask = slots_.size() - 1;
     // Backward-shift: pull later members of the probe run into the hole.
     std::size_t hole = i;
     for (std::size_t j = (hole + 1) & mask; slots_[j].key != 0; j = (j + 1) & mask) {
@@ -76,19 +114,8 @@ class PointerMap {
     slots_[hole].key = 0;
     slots_[hole].value = V{};
     --size_;
-    return true;
   }
 
-  template <class F>
-  void for_each(F&& f) const {
-    for (const Slot& s : slots_) {
-      if (s.key != 0) {
-        f(s.key, s.value);
-      }
-    }
-  }
-
- private:
   // Small: a fresh allocator allocates, zeroes and (check_invariants) scans every slot, which
   // was a third of the config fuzzer's time per input at 1024; growing to 1024 takes 4 rehashes.
   static constexpr std::size_t kInitialCapacity = 64;
