@@ -120,8 +120,9 @@ void AsyncPolicy::deallocate(Block block, StreamId stream) noexcept {
     } catch (...) {  // NOLINT(bugprone-empty-catch): no memory for the cache: give it to the pool
     }
   }
+  // No refresh_reserved() here: a free never changes the pool's reserved bytes (Note [Pool
+  // attributes in the stats], allocator.h), and reading the attribute cost a driver call per free.
   free_to_pool(block.ptr, stream);
-  refresh_reserved();
 }
 
 void AsyncPolicy::free_to_pool(void* ptr, StreamId stream) noexcept {

@@ -28,7 +28,8 @@
 //   * reserved_bytes.current == pool reserved_mem_current, and reserved_bytes.peak ==
 //     reserved_mem_high while no peak was reset: the pool grows only inside the policy's
 //     allocate_async and shrinks only in its trim_to (release threshold "keep everything"
-//     unless async_release_threshold is set), and the policy re-reads the attribute after each.
+//     unless async_release_threshold is set), and the policy re-reads the attribute after each
+//     of those (not after a free, which leaves the pool's reserved bytes as they are).
 //   * active_bytes.current + front_cache_bytes <= used_mem_current <= reserved_mem_current:
 //     every byte the policy took from the pool is live, parked for another stream, or in its
 //     front cache; the driver may round a request up, and counts a freed block as used until the
