@@ -11,6 +11,8 @@
 #                                      # the e2e run (~8-9 min)
 #   bash tools/gpu_session.sh last     # the GPU suite, then the micro benchmarks and an e2e subset
 #                                      # (E2E_ARGS) on cores 0-3 beside a fuzz campaign on 4-15
+#   bash tools/gpu_session.sh bench    # the GPU suite, then the micro benchmarks and GPU replays
+#                                      # alone on the machine, then an e2e subset (E2E_ARGS)
 #   bash tools/gpu_session.sh fuzz  # the three 10M-execution fuzz campaigns side by side (carry
 #                                   # fuzz-bundle), and the e2e workloads recorded as snapshots
 #                                   # in $OUT/traces (tools/scripts/record_e2e_traces.py) (~9 min);
@@ -40,7 +42,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 stage=${1:-}
-case $stage in gpu | e2e | final | fuzz | closing | last) ;; *) echo "usage: $0 gpu|e2e|final|fuzz|closing|last" >&2; exit 2 ;; esac
+case $stage in gpu | e2e | final | fuzz | closing | last | bench) ;; *) echo "usage: $0 gpu|e2e|final|fuzz|closing|last|bench" >&2; exit 2 ;; esac
 
 export OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -279,6 +281,12 @@ if [[ $stage == gpu ]]; then
       echo "extra_gpu_steps          skipped: EXTRA_GPU_STEPS=$EXTRA_GPU_STEPS is not a file" | tee -a "$SUMMARY"
     fi
   fi
+elif [[ $stage == bench ]]; then
+  # The GPU suite, then the micro benchmarks and GPU replays on a quiet machine, then an e2e
+  # subset (E2E_ARGS, E2E_REPS).
+  step gpu_suite_quick 150 "$SUITE_FIGURE" gpu_suite_quick
+  step gpu_bench 300 'grep -E "^RATIO" "$OUT/gpu_bench.md" | head -8; grep -E "^total:" "$OUT/gpu_bench.md"' gpu_bench
+  step e2e 600 "$E2E_FIGURE" e2e
 elif [[ $stage == fuzz ]]; then
   # Recording (GPU, one core) runs beside the campaigns (CPU): its timing does not matter.
   # RECORD_E2E=0 leaves it out (a campaign alone, on every core).
