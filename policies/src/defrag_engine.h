@@ -280,7 +280,7 @@ class DefragEngine {
   std::uint64_t budget_moves_ = 0;
   bool budget_open_ = false;
   void note_move_time(std::uint64_t now_ns, std::uint64_t spent_ns) noexcept;
-  void raise_slack() noexcept;
+  void raise_slack(double factor = 2.0) noexcept;
 
   std::vector<Chunk> scratch_;
   std::vector<MapPiece> pieces_;  // scratch_ as map_run wants it (kept to reuse its storage)
