@@ -22,7 +22,8 @@ StreamOrderedMemory& require_pool(DeviceBackend& backend) {
 }  // namespace
 
 std::vector<std::string_view> AsyncPolicy::config_keys() {
-  return {"async_cache_mb", "async_cache_max_block", "async_release_threshold", "async_reuse_follow_event_dependencies",
+  return {"async_cache_mb", "async_cache_max_block", "async_small_slabs", "async_release_threshold",
+          "async_reuse_follow_event_dependencies",
           "async_reuse_allow_opportunistic", "async_reuse_allow_internal_dependencies"};
 }
 
@@ -33,6 +34,9 @@ AsyncPolicy::AsyncPolicy(DeviceBackend& backend, Config& config)
   }
   if (auto max = config.take_bytes("async_cache_max_block")) {
     cache_max_block_ = *max;
+  }
+  if (auto slabs = config.take_bool("async_small_slabs")) {
+    slabs_enabled_ = *slabs;
   }
   // The CUDA backend already took these keys when it created its pool; taking them again is
   // harmless (same values) and is how the simulated pool gets them.
@@ -81,8 +85,133 @@ AsyncPolicy::StreamCache& AsyncPolicy::cache(StreamId stream) {
   return *last_cache_;
 }
 
+// ---- small blocks from slabs (Note [Small blocks from slabs]) ----
+
+AsyncPolicy::Slab* AsyncPolicy::new_slab(StreamId stream) {
+  auto slab = std::make_unique<Slab>();
+  void* base = pool_.allocate_async(kSlabBytes, stream);
+  ++pool_calls_;
+  if (base == nullptr) {
+    return nullptr;
+  }
+  slab->base = reinterpret_cast<std::uintptr_t>(base);
+  slab->stream = stream;
+  try {
+    slabs_.push_back(std::move(slab));
+  } catch (...) {
+    free_to_pool(base, stream);
+    throw;
+  }
+  slab_bytes_ += kSlabBytes;
+  refresh_reserved();
+  return slabs_.back().get();
+}
+
+Block AsyncPolicy::allocate_small(std::size_t size, StreamId stream) {
+  StreamCache& c = cache(stream);
+  auto& list = c.small_free[size];
+  if (!list.empty()) {
+    const auto [ptr, slab] = list.back();
+    list.pop_back();
+    ++slab->live;
+    small_live_bytes_ += size;
+    ++cache_hits_;
+    return {ptr, size, slab};
+  }
+  Slab* slab = c.carving;
+  if (slab == nullptr || kSlabBytes - slab->carved < size) {
+    slab = new_slab(stream);
+    if (slab == nullptr) {
+      // Note [Out of memory in async]: give back what the policy holds unused, then try again.
+      drain_cache();
+      release_empty_slabs();
+      slab = new_slab(stream);
+      if (slab == nullptr) {
+        return {};
+      }
+    }
+    // The old slab (if any) keeps its uncarved tail until it empties and goes back whole.
+    c.carving = slab;
+  }
+  void* ptr = reinterpret_cast<void*>(slab->base + slab->carved);
+  slab->carved += size;
+  ++slab->carved_blocks;
+  ++slab->live;
+  small_live_bytes_ += size;
+  return {ptr, size, slab};
+}
+
+void AsyncPolicy::free_small(Block block) noexcept {
+  auto* slab = static_cast<Slab*>(block.cookie);
+  --slab->live;
+  small_live_bytes_ -= block.size;
+  StreamCache* c = nullptr;
+  try {
+    c = &cache(slab->stream);
+  } catch (...) {  // NOLINT(bugprone-empty-catch): cannot happen (the stream's cache exists)
+  }
+  if (c != nullptr && slab->live == 0 && slab != c->carving) {
+    // Its other blocks are on the lists; this one never gets there.
+    release_slab(slab);
+    return;
+  }
+  try {
+    if (c == nullptr) {
+      throw std::bad_alloc();
+    }
+    c->small_free[block.size].emplace_back(block.ptr, slab);
+  } catch (...) {
+    // No memory for the list entry: the block stays out of the lists, its slab never empties
+    // (its memory stays with the policy until the allocator is destroyed: never handed out twice).
+    ++slab->live;
+    small_live_bytes_ += block.size;
+  }
+}
+
+void AsyncPolicy::release_slab(Slab* slab) noexcept {
+  const std::uintptr_t lo = slab->base;
+  const std::uintptr_t hi = slab->base + kSlabBytes;
+  for (auto& c : caches_) {
+    if (c->stream != slab->stream) {
+      continue;
+    }
+    if (c->carving == slab) {
+      c->carving = nullptr;
+    }
+    for (auto& [size, list] : c->small_free) {
+      std::erase_if(list, [&](const std::pair<void*, Slab*>& e) {
+        const auto a = reinterpret_cast<std::uintptr_t>(e.first);
+        return a >= lo && a < hi;
+      });
+    }
+  }
+  free_to_pool(reinterpret_cast<void*>(slab->base), slab->stream);
+  slab_bytes_ -= kSlabBytes;
+  std::erase_if(slabs_, [&](const std::unique_ptr<Slab>& s) { return s.get() == slab; });
+}
+
+void AsyncPolicy::release_empty_slabs() noexcept {
+  std::vector<Slab*> empty;
+  for (auto& s : slabs_) {
+    if (s->live == 0) {
+      try {
+        empty.push_back(s.get());
+      } catch (...) {  // NOLINT(bugprone-empty-catch): that slab stays for another time
+      }
+    }
+  }
+  for (Slab* s : empty) {
+    release_slab(s);
+  }
+}
+
+// ---- every request ----
+
 Block AsyncPolicy::allocate(std::size_t bytes, StreamId stream) {
   const std::size_t size = rounded_size(bytes);
+  if (from_slab(size)) {
+    return allocate_small(size, stream);
+  }
   if (cached_bytes_ > 0) {
     StreamCache& c = cache(stream);
     if (auto it = c.by_size.find(size); it != c.by_size.end() && !it->second.empty()) {
@@ -110,6 +239,10 @@ Block AsyncPolicy::allocate(std::size_t bytes, StreamId stream) {
 }
 
 void AsyncPolicy::deallocate(Block block, StreamId stream) noexcept {
+  if (block.cookie != nullptr) {
+    free_small(block);
+    return;
+  }
   live_bytes_ -= block.size;
   if (block.size <= cache_max_block_ &&
       block.size <= cache_limit_ - std::min(cache_limit_, cached_bytes_)) {
@@ -157,6 +290,7 @@ void AsyncPolicy::refresh_reserved() noexcept {
 
 std::size_t AsyncPolicy::release_cached() {
   drain_cache();
+  release_empty_slabs();
   // The pool releases only memory whose frees completed: wait for each stream we freed on (one
   // event each, never a device-wide synchronisation).
   while (!freed_on_.empty()) {
@@ -190,8 +324,43 @@ void AsyncPolicy::check_invariants() const {
   }
   CACHEALLOC_CHECK_INVARIANT(cached == cached_bytes_, "cached_bytes is not the sum of the cache");
   CACHEALLOC_CHECK_INVARIANT(cached_bytes_ <= cache_limit_, "the front cache exceeds its limit");
-  CACHEALLOC_CHECK_INVARIANT(cached_bytes_ + live_bytes_ <= pool_.used_current(),
-                             "cached + live bytes exceed the pool's used bytes");
+  // Slabs: every carved byte is live or on its stream's list, once; lists hold only their
+  // stream's slabs' blocks, inside the carved part.
+  std::unordered_map<const Slab*, std::size_t> free_blocks;
+  std::size_t free_small_bytes = 0;
+  for (const auto& c : caches_) {
+    for (const auto& [size, list] : c->small_free) {
+      CACHEALLOC_CHECK_INVARIANT(size <= kSmallMax && size == rounded_size(size),
+                                 "a small free list of a size that is not a class");
+      for (const auto& [p, slab] : list) {
+        const auto a = reinterpret_cast<std::uintptr_t>(p);
+        CACHEALLOC_CHECK_INVARIANT(slab->stream == c->stream, "a small block on another stream's list");
+        CACHEALLOC_CHECK_INVARIANT(a >= slab->base && a + size <= slab->base + slab->carved,
+                                   "a listed small block outside its slab's carved bytes");
+        CACHEALLOC_CHECK_INVARIANT(seen.insert(p).second, "a small block listed twice");
+        ++free_blocks[slab];
+        free_small_bytes += size;
+      }
+    }
+    if (c->carving != nullptr) {
+      CACHEALLOC_CHECK_INVARIANT(c->carving->stream == c->stream, "a stream carves another's slab");
+    }
+  }
+  std::size_t carved = 0;
+  for (const auto& s : slabs_) {
+    CACHEALLOC_CHECK_INVARIANT(s->carved <= kSlabBytes, "a slab carved past its end");
+    const std::size_t listed = free_blocks.count(s.get()) != 0 ? free_blocks[s.get()] : 0;
+    CACHEALLOC_CHECK_INVARIANT(s->live + listed == s->carved_blocks,
+                               "a slab's live and listed blocks differ from the blocks carved");
+    carved += s->carved;
+    free_blocks.erase(s.get());
+  }
+  CACHEALLOC_CHECK_INVARIANT(free_blocks.empty(), "a listed small block of a slab no longer held");
+  CACHEALLOC_CHECK_INVARIANT(slab_bytes_ == slabs_.size() * kSlabBytes, "slab bytes out of step");
+  CACHEALLOC_CHECK_INVARIANT(carved == small_live_bytes_ + free_small_bytes,
+                             "carved bytes differ from live + listed small bytes");
+  CACHEALLOC_CHECK_INVARIANT(cached_bytes_ + live_bytes_ + slab_bytes_ <= pool_.used_current(),
+                             "cached + live + slab bytes exceed the pool's used bytes");
   pool_.check_invariants();
 }
 

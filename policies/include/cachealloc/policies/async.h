@@ -3,9 +3,10 @@
 // The device's own pool (backend.stream_ordered(): a private cudaMemPool_t on CUDA, the
 // simulated pool of sim_stream_pool.h in CPU tests and replays) does placement, cross-stream
 // reuse and trimming. In front of it sits a per-stream cache of freed blocks: small requests
-// (<= 1 MiB) rounded to size_class's classes, larger ones rounded to 512 B and kept in exact-size
-// LIFO lists; blocks up to `async_cache_max_block` (default 1 MiB) are cached, up to
-// `async_cache_mb` bytes in all (default 32; 0 disables the cache). A cached alloc+free pair
+// (<= 1 MiB) rounded to size_class's classes and carved from slabs (Note [Small blocks from
+// slabs]); larger ones rounded to 512 B and, up to `async_cache_max_block` (default 1 MiB, so by
+// default none), kept in exact-size LIFO lists, up to `async_cache_mb` bytes in all (default 32;
+// 0 disables the cache and the slabs). A cached alloc+free pair
 // never calls the pool (a warm cudaMallocAsync+cudaFreeAsync pair costs 1.45 us on an H200; a
 // cache hit costs tens of nanoseconds).
 //
@@ -15,6 +16,21 @@
 // where raw cudaMallocAsync held 1.052 / 1.072 / 1.144 (gpt2 / resnet50 / mlp traces). Small
 // blocks are most of the calls of a training step and little of its memory, so only they are
 // cached, and the cache is capped at 32 MiB: a peak at most that much above the pool's own.
+//
+// Note [Small blocks from slabs]
+// Measured on the H200 (bench/e2e, session 3), even a 4 MiB cache of blocks up to 64 KiB raised
+// the peak 1.2-1.6% above raw cudaMallocAsync (gpt2), and the 32 MiB default 2.4%: the pool
+// places small allocations inside larger chunks, so a few cached small blocks scattered over
+// many chunks keep all of them from serving a large request; the cost is chunks, not the
+// cached bytes. So small requests (<= 1 MiB) now come from 2 MiB slabs that the policy takes
+// from the pool (one allocate_async each, on the requesting stream) and carves in size classes,
+// as size_class does: small blocks are packed into few slabs, and a slab goes back to the pool
+// (free_async on its stream) as soon as its last block is freed, unless it is the stream's
+// slab being carved. A freed small block waits on its stream's class list and is reused only by
+// that stream (Note [Stream order in the front cache]); the front end hands the policy a block
+// only once every other stream that used it is done (record_stream), on the stream it was
+// allocated on. async_small_slabs:False goes back to the exact-size cache below for them;
+// async_cache_mb:0 turns both off (every block from the pool).
 //
 // Note [Stream order in the front cache]
 // A cached block is reused only by the stream it was freed on (stream order makes that safe
@@ -29,7 +45,7 @@
 // run its retry chain, whose release_cached() waits for the streams the policy freed on
 // (one event each) and trims the pool to zero.
 //
-// Config keys: async_cache_mb, and the pool's async_release_threshold and async_reuse_* keys,
+// Config keys: async_cache_mb, async_cache_max_block, async_small_slabs, and the pool's async_release_threshold and async_reuse_* keys,
 // which the policy forwards to the pool (set_pool_options) when present.
 #pragma once
 
@@ -74,19 +90,45 @@ class AsyncPolicy {
   [[nodiscard]] static std::size_t rounded_size(std::size_t bytes) noexcept;
 
   // ---- inspection for tests ----
-  [[nodiscard]] std::size_t cached_bytes() const noexcept { return cached_bytes_; }
+  /// Bytes the policy holds from the pool beyond the blocks it handed out: the exact-size cache
+  /// and the free parts of its slabs.
+  [[nodiscard]] std::size_t cached_bytes() const noexcept {
+    return cached_bytes_ + (slab_bytes_ - small_live_bytes_);
+  }
+  [[nodiscard]] std::size_t slab_count() const noexcept { return slabs_.size(); }
   [[nodiscard]] std::size_t cache_limit() const noexcept { return cache_limit_; }
   [[nodiscard]] std::uint64_t cache_hits() const noexcept { return cache_hits_; }
   /// allocate_async + free_async calls so far (each one a driver call on CUDA).
   [[nodiscard]] std::uint64_t pool_calls() const noexcept { return pool_calls_; }
 
  private:
+  static constexpr std::size_t kSlabBytes = 2 * kMiB;
+  /// Note [Small blocks from slabs]
+  struct Slab {
+    std::uintptr_t base = 0;
+    std::size_t carved = 0;         // bytes carved so far (bump pointer)
+    std::size_t carved_blocks = 0;  // blocks carved so far
+    std::size_t live = 0;           // carved blocks not on a free list
+    StreamId stream = 0;
+  };
   struct StreamCache {
     StreamId stream;
     std::unordered_map<std::size_t, std::vector<void*>> by_size;  // LIFO per rounded size
+    std::unordered_map<std::size_t, std::vector<std::pair<void*, Slab*>>> small_free;  // per class
+    Slab* carving = nullptr;  // the slab new small blocks are carved from
   };
 
   StreamCache& cache(StreamId stream);
+  [[nodiscard]] bool from_slab(std::size_t size) const noexcept {
+    return slabs_enabled_ && cache_limit_ > 0 && size <= kSmallMax;
+  }
+  Block allocate_small(std::size_t size, StreamId stream);
+  Slab* new_slab(StreamId stream);
+  void free_small(Block block) noexcept;
+  /// Takes the slab's blocks off its stream's lists and gives it back to the pool.
+  void release_slab(Slab* slab) noexcept;
+  /// Every slab with no live block goes back to the pool.
+  void release_empty_slabs() noexcept;
   /// Returns every cached block to the pool.
   void drain_cache() noexcept;
   void free_to_pool(void* ptr, StreamId stream) noexcept;
@@ -99,8 +141,12 @@ class AsyncPolicy {
   std::vector<std::unique_ptr<StreamCache>> caches_;  // few streams: linear search
   StreamCache* last_cache_ = nullptr;
   std::vector<StreamId> freed_on_;  // streams with free_async calls since the last sync
+  bool slabs_enabled_ = true;
+  std::vector<std::unique_ptr<Slab>> slabs_;
+  std::size_t slab_bytes_ = 0;       // kSlabBytes per slab held
+  std::size_t small_live_bytes_ = 0;  // blocks handed out from slabs
   std::size_t cached_bytes_ = 0;
-  std::size_t live_bytes_ = 0;
+  std::size_t live_bytes_ = 0;  // blocks handed out straight from the pool or the exact-size cache
   std::size_t reserved_ = 0;  // the pool's reserved_current after our last pool call
   std::uint64_t cache_hits_ = 0;
   std::uint64_t pool_calls_ = 0;
