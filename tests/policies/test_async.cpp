@@ -236,6 +236,62 @@ TEST_CASE("async: async_cache_mb caps the cache; 0 sends every free to the pool"
   c->check_invariants();
 }
 
+TEST_CASE("async: small blocks are carved from per-stream slabs that go back when empty",
+          "[async]") {
+  SimBackend sim(SimOptions{0, kGiB, 2 * kMiB, true});
+  Config c;
+  AsyncPolicy policy(sim, c);
+  SimStreamPool& pool = pool_of(sim);
+  // 64 blocks of 64 KiB: two slabs, from two pool calls, not 64.
+  std::vector<Block> blocks;
+  for (int i = 0; i < 64; ++i) {
+    blocks.push_back(policy.allocate(64 * kKiB, 0));
+    REQUIRE(blocks.back());
+    REQUIRE(blocks.back().cookie != nullptr);
+  }
+  CHECK(pool.allocate_calls() == 2);
+  CHECK(policy.slab_count() == 2);
+  policy.check_invariants();
+  // Another stream gets its own slab, never stream 0's blocks.
+  const Block other = policy.allocate(64 * kKiB, 1);
+  CHECK(policy.slab_count() == 3);
+  for (const Block& b : blocks) {
+    CHECK(b.ptr != other.ptr);
+  }
+  // Freeing the first slab's 32 blocks gives it back (it is no longer the one being carved);
+  // the second, still carved from, stays while empty.
+  for (int i = 0; i < 32; ++i) {
+    policy.deallocate(blocks[static_cast<std::size_t>(i)], 0);
+    policy.check_invariants();
+  }
+  CHECK(policy.slab_count() == 2);
+  CHECK(pool.free_calls() == 1);
+  for (int i = 32; i < 64; ++i) {
+    policy.deallocate(blocks[static_cast<std::size_t>(i)], 0);
+  }
+  CHECK(policy.slab_count() == 2);
+  CHECK(policy.cached_bytes() == 2 * kMiB + (2 * kMiB - 64 * kKiB));
+  // A freed block comes back to its stream without a pool call.
+  const auto calls = pool.allocate_calls();
+  const Block again = policy.allocate(60 * kKiB, 0);  // the same 64 KiB class
+  CHECK(pool.allocate_calls() == calls);
+  policy.deallocate(again, 0);
+  policy.deallocate(other, 1);
+  policy.check_invariants();
+  (void)policy.release_cached();
+  CHECK(policy.slab_count() == 0);
+  CHECK(policy.cached_bytes() == 0);
+  CHECK(pool.used_current() == 0);
+  // Turned off, small blocks come straight from the pool (or the exact-size cache).
+  Config off = Config::parse("async_small_slabs:False");
+  AsyncPolicy plain(sim, off);
+  const Block b = plain.allocate(64 * kKiB, 0);
+  CHECK(b.cookie == nullptr);
+  CHECK(plain.slab_count() == 0);
+  plain.deallocate(b, 0);
+  plain.check_invariants();
+}
+
 TEST_CASE("async: pool keys are forwarded to the simulated pool", "[async]") {
   auto [sim, a] = test::make_sim_allocator(
       "async", {},
