@@ -47,7 +47,8 @@ done
   echo "- GPU: $(nvidia-smi -L 2>/dev/null | head -1)"
   echo "- driver: $(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)"
   echo "- PyTorch: $(python3 -c 'import torch;print(torch.__version__, "CUDA", torch.version.cuda)' 2>/dev/null)"
-  echo "- git: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  echo "- binaries built from: $(cat "$BUNDLE/COMMIT" 2>/dev/null || echo "unknown (no $BUNDLE/COMMIT)")"
+  echo "- git (the checkout this ran in): $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
   echo
 } > "$REPORT"
 

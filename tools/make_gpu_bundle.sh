@@ -40,5 +40,10 @@ for bin in "$stage"/cachealloc-micro "$stage"/cachealloc-micro-cuda "$stage"/cac
 done
 mkdir -p gpu-bundle
 cp -f "$stage"/* gpu-bundle/
+# The commit the binaries were built from (the device's checkout may report another: its .git
+# is not always the current one), read back by bench/run_gpu_bench.sh.
+{ git rev-parse --short HEAD 2>/dev/null || echo unknown; } | tr -d '\n' >gpu-bundle/COMMIT
+git diff --quiet HEAD -- 2>/dev/null || printf ' + uncommitted changes' >>gpu-bundle/COMMIT
+echo >>gpu-bundle/COMMIT
 ls -la gpu-bundle
 du -sh gpu-bundle
