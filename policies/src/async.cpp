@@ -80,7 +80,7 @@ AsyncPolicy::StreamCache& AsyncPolicy::cache(StreamId stream) {
       return *c;
     }
   }
-  caches_.push_back(std::make_unique<StreamCache>(StreamCache{stream, {}}));
+  caches_.push_back(std::make_unique<StreamCache>(StreamCache{stream, {}, {}, nullptr}));
   last_cache_ = caches_.back().get();
   return *last_cache_;
 }
