@@ -13,6 +13,8 @@
 #                                      # (E2E_ARGS) on cores 0-3 beside a fuzz campaign on 4-15
 #   bash tools/gpu_session.sh bench    # the GPU suite, then the micro benchmarks and GPU replays
 #                                      # alone on the machine, then an e2e subset (E2E_ARGS)
+#   bash tools/gpu_session.sh check    # pytest (plugin, async stats, adapter), OOM recovery per
+#                                      # policy, racecheck: the gpu stage without its benchmarks
 #   bash tools/gpu_session.sh fuzz  # the three 10M-execution fuzz campaigns side by side (carry
 #                                   # fuzz-bundle), and the e2e workloads recorded as snapshots
 #                                   # in $OUT/traces (tools/scripts/record_e2e_traces.py) (~9 min);
@@ -42,7 +44,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 stage=${1:-}
-case $stage in gpu | e2e | final | fuzz | closing | last | bench) ;; *) echo "usage: $0 gpu|e2e|final|fuzz|closing|last|bench" >&2; exit 2 ;; esac
+case $stage in gpu | e2e | final | fuzz | closing | last | bench | check) ;; *) echo "usage: $0 gpu|e2e|final|fuzz|closing|last|bench|check" >&2; exit 2 ;; esac
 
 export OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -108,7 +110,7 @@ setup() {
       echo "MISSING LIBRARIES for $f:"; ldd "$f" | grep "not found"; bad=1
     fi
   done
-  if [[ $STAGE == gpu ]]; then
+  if [[ $STAGE == gpu || $STAGE == check ]]; then
     python3 -m pip install -q --no-deps --no-build-isolation --no-index ./tools && echo "pip install ./tools: ok"
   fi
   PYTHONPATH=tools python3 -c 'import cachealloc; print("policies:", " ".join(p["name"] for p in cachealloc.policies() if not p.get("replay_only")))'
@@ -281,6 +283,13 @@ if [[ $stage == gpu ]]; then
       echo "extra_gpu_steps          skipped: EXTRA_GPU_STEPS=$EXTRA_GPU_STEPS is not a file" | tee -a "$SUMMARY"
     fi
   fi
+elif [[ $stage == check ]]; then
+  # After a policy change, the gpu stage's checks of behaviour without its benchmarks: pytest
+  # (plugin, async stats against the pool's attributes, the LibTorch adapter), OOM recovery per
+  # policy, racecheck on the GPU suite.
+  step pytest 220 'grep -hE "[0-9]+ (passed|failed)" "$WORK"/pytest_*.log | tr "\n" " "; grep -c "exit 0" "$L" | sed "s/$/ apps ok/"' pytest_tools
+  step oom_recovery 150 'grep -c "\"ok\": true" "$L" | sed "s/$/ recovered/"; grep -E "exit [1-9]" "$L"' oom_recovery
+  step racecheck 150 'grep -E "RACECHECK SUMMARY|All tests passed|test cases" "$L" | tail -2' racecheck
 elif [[ $stage == bench ]]; then
   # The GPU suite, then the micro benchmarks and GPU replays on a quiet machine, then an e2e
   # subset (E2E_ARGS, E2E_REPS).
