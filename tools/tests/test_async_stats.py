@@ -114,9 +114,15 @@ def test_async_stats_agree_with_the_pool_after_training():
     _check_agree(stats["trained"], "trained")
     assert stats["trained"]["alloc_calls"] > 0 and stats["trained"]["pool.calls"] > 0
     _check_agree(stats["emptied"], "emptied")
-    # what the script still references (if anything) is all the pool still has in use
+    # What the script still references (the model, the optimizer's state) is all the pool still
+    # has in use, apart from the free parts of the 2 MiB slabs whose small blocks are still live
+    # (Note [Small blocks from slabs] in policies/include/cachealloc/policies/async.h): empty_cache
+    # gives back every slab without a live block, so at most 2 MiB stays per live allocation, and
+    # never more than before it ran.
     e = stats["emptied"]
-    assert e["pool.front_cache_bytes"] == 0
+    assert e["pool.front_cache_bytes"] <= stats["trained"]["pool.front_cache_bytes"]
+    assert e["pool.front_cache_bytes"] <= (2 << 20) * e["allocation.all.current"]
+    assert e["pool.front_cache_bytes"] % 512 == 0
     assert e["pool.used_mem_current"] >= e["active_bytes.all.current"]
 
 
