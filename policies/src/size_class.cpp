@@ -217,17 +217,21 @@ Block SizeClassPolicy::allocate_small(std::size_t bytes, StreamId stream) {
   return {};
 }
 
+SizeClassPolicy::BlockMeta* SizeClassPolicy::remove_recent(Pool& p, std::size_t i) noexcept {
+  BlockMeta* b = p.recent[i];
+  std::copy(p.recent.begin() + static_cast<std::ptrdiff_t>(i) + 1,
+            p.recent.begin() + static_cast<std::ptrdiff_t>(p.recent_count),
+            p.recent.begin() + static_cast<std::ptrdiff_t>(i));
+  --p.recent_count;
+  b->recent = false;
+  return b;
+}
+
 SizeClassPolicy::BlockMeta* SizeClassPolicy::take_recent(Pool& p, std::size_t size) noexcept {
   // Newest first: the block freed last is the likeliest to be asked for again.
   for (std::size_t i = p.recent_count; i-- > 0;) {
-    BlockMeta* b = p.recent[i];
-    if (b->size == size) {
-      std::copy(p.recent.begin() + static_cast<std::ptrdiff_t>(i) + 1,
-                p.recent.begin() + static_cast<std::ptrdiff_t>(p.recent_count),
-                p.recent.begin() + static_cast<std::ptrdiff_t>(i));
-      --p.recent_count;
-      b->recent = false;
-      return b;
+    if (p.recent[i]->size == size) {
+      return remove_recent(p, i);
     }
   }
   return nullptr;
@@ -237,11 +241,7 @@ void SizeClassPolicy::push_recent(BlockMeta* b) {
   Pool& p = pool(b->owner);
   if (p.recent_count == kRecent) {
     // Before `b` counts as free: the oldest may be its neighbour and must not merge with it.
-    BlockMeta* oldest = p.recent[0];
-    std::copy(p.recent.begin() + 1, p.recent.end(), p.recent.begin());
-    --p.recent_count;
-    oldest->recent = false;
-    coalesce_and_insert(oldest);
+    coalesce_and_insert(remove_recent(p, 0));
   }
   b->free = true;
   b->recent = true;
@@ -251,11 +251,9 @@ void SizeClassPolicy::push_recent(BlockMeta* b) {
 
 void SizeClassPolicy::flush_recent(Pool& p) {
   while (p.recent_count > 0) {
-    BlockMeta* b = p.recent[--p.recent_count];
-    b->recent = false;
     // insert_free gives it a newer free sequence number than its free had: a migration epoch
     // then covers it later than it could, never earlier.
-    coalesce_and_insert(b);
+    coalesce_and_insert(remove_recent(p, p.recent_count - 1));
   }
 }
 

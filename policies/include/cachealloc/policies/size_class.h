@@ -137,6 +137,8 @@ class SizeClassPolicy {
   void coalesce_and_insert(BlockMeta* b);
   /// A freed large block onto its owner's recent FIFO (Note [Recently freed large blocks]).
   void push_recent(BlockMeta* b);
+  /// Takes the FIFO's i-th block off it (the later ones move up) and returns it.
+  static BlockMeta* remove_recent(Pool& p, std::size_t i) noexcept;
   /// The recent block of exactly `size` on `p`, taken off the FIFO; nullptr when none.
   static BlockMeta* take_recent(Pool& p, std::size_t size) noexcept;
   /// Coalesces every recent block of `p` into its free set.
