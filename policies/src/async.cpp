@@ -70,15 +70,22 @@ std::size_t AsyncPolicy::rounded_size(std::size_t bytes) noexcept {
   return bytes <= kSmallMax ? SizeClassPolicy::small_class_size(bytes) : round_up(bytes, 512);
 }
 
-AsyncPolicy::StreamCache& AsyncPolicy::cache(StreamId stream) {
+AsyncPolicy::StreamCache* AsyncPolicy::find_cache(StreamId stream) noexcept {
   if (last_cache_ != nullptr && last_cache_->stream == stream) {
-    return *last_cache_;
+    return last_cache_;
   }
   for (auto& c : caches_) {
     if (c->stream == stream) {
       last_cache_ = c.get();
-      return *c;
+      return last_cache_;
     }
+  }
+  return nullptr;
+}
+
+AsyncPolicy::StreamCache& AsyncPolicy::cache(StreamId stream) {
+  if (StreamCache* c = find_cache(stream)) {
+    return *c;
   }
   caches_.push_back(std::make_unique<StreamCache>(StreamCache{stream, {}, {}, nullptr}));
   last_cache_ = caches_.back().get();
@@ -145,20 +152,14 @@ void AsyncPolicy::free_small(Block block) noexcept {
   auto* slab = static_cast<Slab*>(block.cookie);
   --slab->live;
   small_live_bytes_ -= block.size;
-  StreamCache* c = nullptr;
-  try {
-    c = &cache(slab->stream);
-  } catch (...) {  // NOLINT(bugprone-empty-catch): cannot happen (the stream's cache exists)
-  }
-  if (c != nullptr && slab->live == 0 && slab != c->carving) {
+  // Never null: allocate_small created the stream's cache before it carved the slab.
+  StreamCache* c = find_cache(slab->stream);
+  if (slab->live == 0 && slab != c->carving) {
     // Its other blocks are on the lists; this one never gets there.
     release_slab(slab);
     return;
   }
   try {
-    if (c == nullptr) {
-      throw std::bad_alloc();
-    }
     c->small_free[block.size].emplace_back(block.ptr, slab);
   } catch (...) {
     // No memory for the list entry: the block stays out of the lists, its slab never empties
@@ -169,21 +170,12 @@ void AsyncPolicy::free_small(Block block) noexcept {
 }
 
 void AsyncPolicy::release_slab(Slab* slab) noexcept {
-  const std::uintptr_t lo = slab->base;
-  const std::uintptr_t hi = slab->base + kSlabBytes;
-  for (auto& c : caches_) {
-    if (c->stream != slab->stream) {
-      continue;
-    }
-    if (c->carving == slab) {
-      c->carving = nullptr;
-    }
-    for (auto& [size, list] : c->small_free) {
-      std::erase_if(list, [&](const std::pair<void*, Slab*>& e) {
-        const auto a = reinterpret_cast<std::uintptr_t>(e.first);
-        return a >= lo && a < hi;
-      });
-    }
+  StreamCache* c = find_cache(slab->stream);  // never null, as in free_small
+  if (c->carving == slab) {
+    c->carving = nullptr;
+  }
+  for (auto& [size, list] : c->small_free) {
+    std::erase_if(list, [&](const std::pair<void*, Slab*>& e) { return e.second == slab; });
   }
   free_to_pool(reinterpret_cast<void*>(slab->base), slab->stream);
   slab_bytes_ -= kSlabBytes;
@@ -191,17 +183,11 @@ void AsyncPolicy::release_slab(Slab* slab) noexcept {
 }
 
 void AsyncPolicy::release_empty_slabs() noexcept {
-  std::vector<Slab*> empty;
-  for (auto& s : slabs_) {
-    if (s->live == 0) {
-      try {
-        empty.push_back(s.get());
-      } catch (...) {  // NOLINT(bugprone-empty-catch): that slab stays for another time
-      }
+  // Backwards: release_slab erases slabs_[i], which leaves the ones before it in place.
+  for (std::size_t i = slabs_.size(); i-- > 0;) {
+    if (slabs_[i]->live == 0) {
+      release_slab(slabs_[i].get());
     }
-  }
-  for (Slab* s : empty) {
-    release_slab(s);
   }
 }
 

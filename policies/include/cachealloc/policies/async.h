@@ -118,7 +118,10 @@ class AsyncPolicy {
     Slab* carving = nullptr;  // the slab new small blocks are carved from
   };
 
+  /// The stream's cache, created on first use.
   StreamCache& cache(StreamId stream);
+  /// The stream's cache, or nullptr when it has none yet.
+  StreamCache* find_cache(StreamId stream) noexcept;
   [[nodiscard]] bool from_slab(std::size_t size) const noexcept {
     return slabs_enabled_ && cache_limit_ > 0 && size <= kSmallMax;
   }
