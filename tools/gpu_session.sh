@@ -147,7 +147,7 @@ pytest_tools() {
     python3 -m pytest -v -rfEs -p no:cacheprovider $PYTEST_SELECT >"$WORK/pytest_select.log" 2>&1
     cp "$WORK/pytest_select.log" "$OUT/pytest.log"
     tail -5 "$WORK/pytest_select.log"
-    ! grep -qE "^(FAILED|ERROR) |[0-9]+ (failed|error)" "$WORK/pytest_select.log"
+    ! pytest_failed "$WORK/pytest_select.log"
     return
   fi
   python3 -m pytest -v -rfEs -p no:cacheprovider --ignore=tools/tests/test_torch_adapter.py tools/tests \
@@ -163,8 +163,11 @@ pytest_tools() {
     CACHEALLOC_CONF=policy:$p timeout 120 "$B/cachealloc_libtorch_app" >"$WORK/libtorch_app_$p.log" 2>&1
     r=$?; echo "libtorch_app policy:$p exit $r: $(tail -2 "$WORK/libtorch_app_$p.log" | tr '\n' ' ')"; ((r == 0)) || rc=1
   done
+  ! pytest_failed "$WORK"/pytest_*.log && ((rc == 0))
+}
+pytest_failed() {
   # A failure shows as a "FAILED ..." summary line (-rfEs) and in the "N failed" count line.
-  ! grep -qhE "^(FAILED|ERROR) |[0-9]+ (failed|error)" "$WORK"/pytest_*.log && ((rc == 0))
+  grep -qhE "^(FAILED|ERROR) |[0-9]+ (failed|error)" "$@"
 }
 
 oom_recovery() {
@@ -267,23 +270,27 @@ gpu_suite_quick() {
 record_e2e_traces() {
   python3 tools/scripts/record_e2e_traces.py --out-dir "$OUT/traces"
 }
-export -f fuzz_campaigns record_e2e_traces gpu_suite_quick setup gpu_suite_memcheck start_adapter_pytest pytest_tools pytest_adapter oom_recovery recording racecheck gpu_bench extra_gpu_steps e2e
+export -f pytest_failed fuzz_campaigns record_e2e_traces gpu_suite_quick setup gpu_suite_memcheck start_adapter_pytest pytest_tools pytest_adapter oom_recovery recording racecheck gpu_bench extra_gpu_steps e2e
 
 # ---- the stages ----------------------------------------------------------------------------
 
 # The key figures of the steps that several stages run (read from the step's log, "$L").
 E2E_FIGURE='grep -E "^run_e2e: (round 1|measured steps|[0-9]+ runs)" "$L"; grep -c FAILED "$L" | sed "s/$/ failed runs/"'
 SUITE_FIGURE='grep -E "^(All tests passed|test cases)|ERROR SUMMARY|Failed" "$L" | tr -s " " | head -4'
+BENCH_FIGURE='grep -E "^RATIO" "$OUT/gpu_bench.md" | head -8; grep -E "^total:" "$OUT/gpu_bench.md"'
+PYTEST_FIGURE='grep -hE "[0-9]+ (passed|failed)" "$WORK"/pytest_*.log | tr "\n" " "; grep -c "exit 0" "$L" | sed "s/$/ apps ok/"'
+OOM_FIGURE='grep -c "\"ok\": true" "$L" | sed "s/$/ recovered/"; grep -E "exit [1-9]" "$L"'
+RACECHECK_FIGURE='grep -E "RACECHECK SUMMARY|All tests passed|test cases" "$L" | tail -2'
 
 echo "gpu_session $stage: budget ${BUDGET}s, logs in $WORK -> $OUT/${stage}_logs.tar.gz"
 step setup 90 'grep -E "^torch|NVIDIA|MISSING|pip install" "$L" | head -4' setup
 if [[ $stage == gpu ]]; then
   step gpu_suite_memcheck 280 'grep -E "^gpu_suite:|^memcheck:|All tests passed|failed|ERROR SUMMARY" "$L" | head -5' gpu_suite_memcheck
   step gpu_bench 300 'grep -c "^RATIO" "$OUT/gpu_bench.md" | sed "s/$/ RATIO lines/"; grep -E "^total:" "$OUT/gpu_bench.md"' gpu_bench
-  step pytest 240 'grep -hE "[0-9]+ (passed|failed)" "$WORK"/pytest_*.log | tr "\n" " "; grep -c "exit 0" "$L" | sed "s/$/ apps ok/"' pytest_tools
-  step oom_recovery 150 'grep -c "\"ok\": true" "$L" | sed "s/$/ recovered/"; grep -E "exit [1-9]" "$L"' oom_recovery
+  step pytest 240 "$PYTEST_FIGURE" pytest_tools
+  step oom_recovery 150 "$OOM_FIGURE" oom_recovery
   step recording 120 'grep -E "^recording:|^trace_plot:|fidelity" "$L"' recording
-  step racecheck 150 'grep -E "RACECHECK SUMMARY|All tests passed|test cases" "$L" | tail -2' racecheck
+  step racecheck 150 "$RACECHECK_FIGURE" racecheck
   if [[ -n ${EXTRA_GPU_STEPS:-} ]]; then
     if [[ -f $EXTRA_GPU_STEPS ]]; then
       export EXTRA_GPU_STEPS
@@ -296,16 +303,16 @@ elif [[ $stage == check ]]; then
   # After a policy change, the gpu stage's checks of behaviour without its benchmarks: pytest
   # (plugin, async stats against the pool's attributes, the LibTorch adapter), OOM recovery per
   # policy, racecheck on the GPU suite.
-  step pytest 220 'grep -hE "[0-9]+ (passed|failed)" "$WORK"/pytest_*.log | tr "\n" " "; grep -c "exit 0" "$L" | sed "s/$/ apps ok/"' pytest_tools
+  step pytest 220 "$PYTEST_FIGURE" pytest_tools
   if [[ -z ${PYTEST_SELECT:-} ]]; then
-    step oom_recovery 150 'grep -c "\"ok\": true" "$L" | sed "s/$/ recovered/"; grep -E "exit [1-9]" "$L"' oom_recovery
-    step racecheck 150 'grep -E "RACECHECK SUMMARY|All tests passed|test cases" "$L" | tail -2' racecheck
+    step oom_recovery 150 "$OOM_FIGURE" oom_recovery
+    step racecheck 150 "$RACECHECK_FIGURE" racecheck
   fi
 elif [[ $stage == bench ]]; then
   # The GPU suite, then the micro benchmarks and GPU replays on a quiet machine, then an e2e
   # subset (E2E_ARGS, E2E_REPS).
   step gpu_suite_quick 150 "$SUITE_FIGURE" gpu_suite_quick
-  step gpu_bench 300 'grep -E "^RATIO" "$OUT/gpu_bench.md" | head -8; grep -E "^total:" "$OUT/gpu_bench.md"' gpu_bench
+  step gpu_bench 300 "$BENCH_FIGURE" gpu_bench
   step e2e 600 "$E2E_FIGURE" e2e
 elif [[ $stage == fuzz ]]; then
   # Recording (GPU, one core) runs beside the campaigns (CPU): its timing does not matter.
@@ -327,7 +334,7 @@ elif [[ $stage == last ]]; then
   fi
   export FUZZ_TARGETS=${FUZZ_TARGETS:-replay:$((cores >= 8 ? cores - 4 : 1))}
   (step fuzz_campaigns 600 'grep -hE "^fuzz_" "$WORK"/campaign_*.log | sort -u | tr -s " "' "$fuzz_pin bash -c fuzz_campaigns") &
-  step gpu_bench 280 'grep -E "^RATIO" "$OUT/gpu_bench.md" | head -8; grep -E "^total:" "$OUT/gpu_bench.md"' "$bench_pin bash -c gpu_bench"
+  step gpu_bench 280 "$BENCH_FIGURE" "$bench_pin bash -c gpu_bench"
   step e2e 200 "$E2E_FIGURE" "$bench_pin bash -c e2e"
   wait
   tail -30 "$WORK/e2e.log"
