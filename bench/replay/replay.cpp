@@ -9,6 +9,9 @@
 #ifdef CACHEALLOC_HAS_DEFRAG
 #include <cachealloc/policies/defrag.h>
 #endif
+#ifdef CACHEALLOC_HAS_ASYNC
+#include <cachealloc/policies/async.h>
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -382,6 +385,18 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
                   static_cast<double>(d.move_ns) / 1e6, d.slack,
                   static_cast<unsigned long long>(d.slack_raises),
                   static_cast<unsigned long long>(d.budget_raises));
+    r.detail = line;
+  }
+#endif
+#ifdef CACHEALLOC_HAS_ASYNC
+  if (s.pool) {
+    char line[200];
+    std::uint64_t hits = 0;
+    if (auto* a = dynamic_cast<CachingAllocator<AsyncPolicy>*>(&alloc)) {
+      hits = a->policy().cache_hits();
+    }
+    std::snprintf(line, sizeof line, "%llu pool calls (allocate_async + free_async), %llu front-cache hits",
+                  static_cast<unsigned long long>(s.pool->pool_calls), static_cast<unsigned long long>(hits));
     r.detail = line;
   }
 #endif

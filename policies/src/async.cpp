@@ -22,7 +22,8 @@ StreamOrderedMemory& require_pool(DeviceBackend& backend) {
 }  // namespace
 
 std::vector<std::string_view> AsyncPolicy::config_keys() {
-  return {"async_cache_mb", "async_cache_max_block", "async_small_slabs", "async_release_threshold",
+  return {"async_cache_mb", "async_cache_max_block", "async_small_slabs", "async_recent_blocks",
+          "async_release_threshold",
           "async_reuse_follow_event_dependencies",
           "async_reuse_allow_opportunistic", "async_reuse_allow_internal_dependencies"};
 }
@@ -37,6 +38,12 @@ AsyncPolicy::AsyncPolicy(DeviceBackend& backend, Config& config)
   }
   if (auto slabs = config.take_bool("async_small_slabs")) {
     slabs_enabled_ = *slabs;
+  }
+  if (auto n = config.take_int("async_recent_blocks", 0, static_cast<std::int64_t>(kMaxRecent))) {
+    recent_limit_ = static_cast<std::size_t>(*n);
+  }
+  if (cache_limit_ == 0) {
+    recent_limit_ = 0;  // async_cache_mb:0: every block from the pool
   }
   // The CUDA backend already took these keys when it created its pool; taking them again is
   // harmless (same values) and is how the simulated pool gets them.
@@ -209,9 +216,21 @@ Block AsyncPolicy::allocate(std::size_t bytes, StreamId stream) {
       return {ptr, size, nullptr};
     }
   }
+  if (recent_bytes_ > 0) {
+    if (StreamCache* c = find_cache(stream); c != nullptr && c->recent_count > 0) {
+      if (void* ptr = take_recent(*c, size)) {
+        live_bytes_ += size;
+        ++cache_hits_;
+        return {ptr, size, nullptr};
+      }
+    }
+    for (auto& c : caches_) {  // every stream's, before the pool may grow
+      flush_recent(*c);
+    }
+  }
   void* ptr = pool_.allocate_async(size, stream);
   ++pool_calls_;
-  if (ptr == nullptr && cached_bytes_ > 0) {
+  if (ptr == nullptr && cached_bytes_ + recent_bytes_ > 0) {
     drain_cache();  // Note [Out of memory in async]
     ptr = pool_.allocate_async(size, stream);
     ++pool_calls_;
@@ -224,7 +243,7 @@ Block AsyncPolicy::allocate(std::size_t bytes, StreamId stream) {
   return {ptr, size, nullptr};
 }
 
-void AsyncPolicy::deallocate(Block block, StreamId stream) noexcept {
+void AsyncPolicy::deallocate(const Block& block, StreamId stream) noexcept {
   if (block.cookie != nullptr) {
     free_small(block);
     return;
@@ -237,6 +256,13 @@ void AsyncPolicy::deallocate(Block block, StreamId stream) noexcept {
       cached_bytes_ += block.size;
       return;
     } catch (...) {  // NOLINT(bugprone-empty-catch): no memory for the cache: give it to the pool
+    }
+  }
+  if (recent_limit_ > 0) {
+    try {
+      push_recent(cache(stream), block.ptr, block.size);
+      return;
+    } catch (...) {  // NOLINT(bugprone-empty-catch): no memory for the stream's cache: to the pool
     }
   }
   // No refresh_reserved() here: a free never changes the pool's reserved bytes (Note [Pool
@@ -255,8 +281,44 @@ void AsyncPolicy::free_to_pool(void* ptr, StreamId stream) noexcept {
   }
 }
 
+void* AsyncPolicy::take_recent(StreamCache& c, std::size_t size) noexcept {
+  for (std::size_t i = c.recent_count; i-- > 0;) {  // newest first
+    if (c.recent[i].second == size) {
+      void* ptr = c.recent[i].first;
+      std::copy(c.recent.begin() + static_cast<std::ptrdiff_t>(i) + 1,
+                c.recent.begin() + static_cast<std::ptrdiff_t>(c.recent_count),
+                c.recent.begin() + static_cast<std::ptrdiff_t>(i));
+      --c.recent_count;
+      recent_bytes_ -= size;
+      return ptr;
+    }
+  }
+  return nullptr;
+}
+
+void AsyncPolicy::push_recent(StreamCache& c, void* ptr, std::size_t size) noexcept {
+  if (c.recent_count == recent_limit_) {  // the oldest goes to the pool
+    free_to_pool(c.recent[0].first, c.stream);
+    recent_bytes_ -= c.recent[0].second;
+    std::copy(c.recent.begin() + 1, c.recent.begin() + static_cast<std::ptrdiff_t>(c.recent_count),
+              c.recent.begin());
+    --c.recent_count;
+  }
+  c.recent[c.recent_count++] = {ptr, size};
+  recent_bytes_ += size;
+}
+
+void AsyncPolicy::flush_recent(StreamCache& c) noexcept {
+  for (std::size_t i = 0; i < c.recent_count; ++i) {
+    free_to_pool(c.recent[i].first, c.stream);
+    recent_bytes_ -= c.recent[i].second;
+  }
+  c.recent_count = 0;
+}
+
 void AsyncPolicy::drain_cache() noexcept {
   for (auto& c : caches_) {
+    flush_recent(*c);
     for (auto& [size, ptrs] : c->by_size) {
       for (void* p : ptrs) {
         free_to_pool(p, c->stream);
@@ -309,6 +371,18 @@ void AsyncPolicy::check_invariants() const {
     }
   }
   CACHEALLOC_CHECK_INVARIANT(cached == cached_bytes_, "cached_bytes is not the sum of the cache");
+  std::size_t recent = 0;
+  for (const auto& c : caches_) {
+    CACHEALLOC_CHECK_INVARIANT(c->recent_count <= recent_limit_, "a recent FIFO holds more than its limit");
+    for (std::size_t i = 0; i < c->recent_count; ++i) {
+      const auto [p, size] = c->recent[i];
+      CACHEALLOC_CHECK_INVARIANT(p != nullptr && size == rounded_size(size) && !from_slab(size),
+                                 "a recent FIFO holds a block that is not a large rounded one");
+      CACHEALLOC_CHECK_INVARIANT(seen.insert(p).second, "a recent block is also cached or listed");
+      recent += size;
+    }
+  }
+  CACHEALLOC_CHECK_INVARIANT(recent == recent_bytes_, "recent_bytes is not the sum of the FIFOs");
   CACHEALLOC_CHECK_INVARIANT(cached_bytes_ <= cache_limit_, "the front cache exceeds its limit");
   // Slabs: every carved byte is live or on its stream's list, once; lists hold only their
   // stream's slabs' blocks, inside the carved part.
@@ -345,8 +419,8 @@ void AsyncPolicy::check_invariants() const {
   CACHEALLOC_CHECK_INVARIANT(slab_bytes_ == slabs_.size() * kSlabBytes, "slab bytes out of step");
   CACHEALLOC_CHECK_INVARIANT(carved == small_live_bytes_ + free_small_bytes,
                              "carved bytes differ from live + listed small bytes");
-  CACHEALLOC_CHECK_INVARIANT(cached_bytes_ + live_bytes_ + slab_bytes_ <= pool_.used_current(),
-                             "cached + live + slab bytes exceed the pool's used bytes");
+  CACHEALLOC_CHECK_INVARIANT(cached_bytes_ + recent_bytes_ + live_bytes_ + slab_bytes_ <= pool_.used_current(),
+                             "cached + recent + live + slab bytes exceed the pool's used bytes");
   pool_.check_invariants();
 }
 

@@ -486,7 +486,7 @@ Block DefragEngine::allocate(std::size_t bytes, StreamId stream) {
   return Block{reinterpret_cast<void*>(block->addr), block->size, block};
 }
 
-void DefragEngine::deallocate(Block block) noexcept {
+void DefragEngine::deallocate(const Block& block) noexcept {
   Node* n = static_cast<Node*>(block.cookie);
   live_bytes_ -= n->size;
   --live_blocks_;
@@ -635,7 +635,7 @@ Block DefragPolicy::allocate(std::size_t bytes, StreamId stream) {
   return engine_->allocate(bytes, stream);
 }
 
-void DefragPolicy::deallocate(Block block, StreamId /*stream*/) noexcept {
+void DefragPolicy::deallocate(const Block& block, StreamId /*stream*/) noexcept {
   // The block's own stream is recorded in it at allocation; policy.h item 4 says they agree.
   engine_->deallocate(block);
 }

@@ -121,7 +121,7 @@ class DefragEngine {
   DefragEngine& operator=(const DefragEngine&) = delete;
 
   Block allocate(std::size_t bytes, StreamId stream);
-  void deallocate(Block block) noexcept;
+  void deallocate(const Block& block) noexcept;
   std::size_t release_cached();
   [[nodiscard]] std::size_t reserved_bytes() const noexcept { return held_pages_ * page_; }
   [[nodiscard]] std::size_t live_bytes() const noexcept { return live_bytes_; }

@@ -740,7 +740,7 @@ Block NativePolicy::allocate(std::size_t bytes, StreamId stream) {
   return core_->allocate(bytes, stream);
 }
 
-void NativePolicy::deallocate(Block block, StreamId /*stream*/) noexcept {
+void NativePolicy::deallocate(const Block& block, StreamId /*stream*/) noexcept {
   core_->deallocate(static_cast<native_detail::Block*>(block.cookie));
 }
 

@@ -318,7 +318,7 @@ Block SizeClassPolicy::allocate_large(std::size_t bytes, StreamId stream) {
   return Block{reinterpret_cast<void*>(best->addr), best->size, best};
 }
 
-void SizeClassPolicy::deallocate(Block block, StreamId stream) noexcept {
+void SizeClassPolicy::deallocate(const Block& block, StreamId stream) noexcept {
   auto* b = static_cast<BlockMeta*>(block.cookie);
   b->owner = stream;
   try {

@@ -220,20 +220,78 @@ TEST_CASE("async: async_cache_mb caps the cache; 0 sends every free to the pool"
   void* p = a->allocate(4096, 0);
   a->deallocate(p);
   CHECK(pool.free_calls() == 1);
-  auto [sim2, b] = test::make_sim_allocator("async", {}, "async_cache_mb:16,async_cache_max_block:16MB");
+  auto [sim2, b] = test::make_sim_allocator("async", {}, "async_cache_mb:16,async_cache_max_block:16MB,async_recent_blocks:0");
   void* x = b->allocate(10 * kMiB, 0);
   void* y = b->allocate(10 * kMiB, 0);
   b->deallocate(x);
   b->deallocate(y);  // over 16 MiB: to the pool
   CHECK(pool_of(*sim2).free_calls() == 1);
   b->check_invariants();
-  auto [sim3, c] = test::make_sim_allocator("async");  // default: blocks over 1 MiB go to the pool
+  // Without the recent FIFO, blocks over 1 MiB go to the pool.
+  auto [sim3, c] = test::make_sim_allocator("async", {}, "async_recent_blocks:0");
   void* big = c->allocate(2 * kMiB, 0);
   void* small = c->allocate(kMiB, 0);
   c->deallocate(big);
   c->deallocate(small);
   CHECK(pool_of(*sim3).free_calls() == 1);
   c->check_invariants();
+}
+
+TEST_CASE("async: recently freed large blocks serve their exact size on their stream, and go to the "
+          "pool before it can grow",
+          "[async]") {
+  auto [sim, a] = test::make_sim_allocator("async");  // async_recent_blocks defaults to 4
+  SimStreamPool& pool = pool_of(*sim);
+  void* p = a->allocate(8 * kMiB, 0);
+  void* q = a->allocate(3 * kMiB, 0);
+  a->deallocate(p);
+  a->deallocate(q);
+  CHECK(pool.free_calls() == 0);
+  const auto allocs = pool.allocate_calls();
+  for (int i = 0; i < 10; ++i) {  // exact sizes, same stream: no pool call
+    void* r = a->allocate(8 * kMiB, 0);
+    CHECK(r == p);
+    a->deallocate(r);
+    a->check_invariants();
+  }
+  CHECK(pool.allocate_calls() == allocs);
+  CHECK(pool.free_calls() == 0);
+  CHECK(a->stats().pool->front_cache_bytes == 11 * kMiB);
+
+  // Another stream's recent blocks: not reused by stream 5; its miss gives both to the pool first.
+  void* s5 = a->allocate(8 * kMiB, 5);
+  CHECK(s5 != p);
+  CHECK(pool.free_calls() == 2);
+  CHECK(pool.allocate_calls() == allocs + 1);
+  a->deallocate(s5);
+  a->check_invariants();
+
+  // A full FIFO gives its oldest block to the pool. (Stream 7's first miss flushed stream 5's.)
+  std::vector<void*> blocks;
+  for (std::size_t i = 0; i < 6; ++i) {
+    blocks.push_back(a->allocate((2 + i) * kMiB, 7));
+  }
+  CHECK(pool.free_calls() == 3);
+  const auto frees = pool.free_calls();
+  for (void* b : blocks) {
+    a->deallocate(b);
+  }
+  CHECK(pool.free_calls() == frees + 2);
+  a->check_invariants();
+  // A miss flushes every FIFO: stream 7's four blocks, here for a request of stream 0.
+  void* m = a->allocate(100 * kMiB, 0);
+  CHECK(pool.free_calls() == frees + 2 + 4);
+  CHECK(a->stats().pool->front_cache_bytes == 0);
+  a->deallocate(m);
+  a->empty_cache();
+  CHECK(pool.used_current() == 0);
+  a->check_invariants();
+
+  auto [sim2, off] = test::make_sim_allocator("async", {}, "async_cache_mb:0");  // no caching at all
+  void* x = off->allocate(8 * kMiB, 0);
+  off->deallocate(x);
+  CHECK(pool_of(*sim2).free_calls() == 1);
+  CHECK_THROWS_AS(test::make_sim_allocator("async", {}, "async_recent_blocks:17"), ConfigError);
 }
 
 TEST_CASE("async: small blocks are carved from per-stream slabs that go back when empty",

@@ -12,7 +12,7 @@
 //      (bytes > 0), usable on `stream` right now, or an empty Block when it cannot find one
 //      without more device memory than the backend gives. It may throw DeviceError; it must
 //      leave its state consistent when it does.
-//   4. `void deallocate(Block block, StreamId stream) noexcept`: `block` (exactly as returned by
+//   4. `void deallocate(const Block& block, StreamId stream) noexcept`: `block` (exactly as returned by
 //      allocate) is free; `stream` is the stream it was allocated on, and every use of the block
 //      on other streams has already completed (the front end guarantees it). The block may be
 //      reused on `stream` at once and on other streams only once the work queued on `stream`

@@ -6,7 +6,8 @@
 // (<= 1 MiB) rounded to size_class's classes and carved from slabs (Note [Small blocks from
 // slabs]); larger ones rounded to 512 B and, up to `async_cache_max_block` (default 1 MiB, so by
 // default none), kept in exact-size LIFO lists, up to `async_cache_mb` bytes in all (default 32;
-// 0 disables the cache and the slabs). A cached alloc+free pair
+// 0 disables the cache, the slabs and the recent FIFO). A large free first waits on its
+// stream's FIFO of recent frees (Note [Recently freed large blocks in async]). A cached pair
 // never calls the pool (a warm cudaMallocAsync+cudaFreeAsync pair costs 1.45 us on an H200; a
 // cache hit costs tens of nanoseconds).
 //
@@ -32,6 +33,18 @@
 // allocated on. async_small_slabs:False goes back to the exact-size cache below for them;
 // async_cache_mb:0 turns both off (every block from the pool).
 //
+// Note [Recently freed large blocks in async]
+// A training step frees and re-requests the same large sizes over and over, and every one of
+// them was a pool round trip (allocate_async + free_async: two driver calls, 1.45 us a pair on
+// the H200, plus the reserved-bytes read after the allocation). As in size_class (Note [Recently
+// freed large blocks], size_class.h), a freed large block first goes to its stream's short FIFO
+// of recent frees (`async_recent_blocks`, default 4); a request of exactly its size on that
+// stream takes it back without a driver call. The oldest entry goes to the pool when a new one
+// arrives, and the whole FIFO goes to the pool (free_async on the stream, so the memory is the
+// stream's again at once) as soon as that stream's large request misses, before it calls
+// allocate_async: the pool never grows while the requesting stream holds recent blocks, so the
+// FIFO does not raise the peak the way a large cache did (Note [A small front cache]).
+//
 // Note [Stream order in the front cache]
 // A cached block is reused only by the stream it was freed on (stream order makes that safe
 // at once). Blocks for other streams come from the pool, whose reuse rules
@@ -45,7 +58,7 @@
 // run its retry chain, whose release_cached() waits for the streams the policy freed on
 // (one event each) and trims the pool to zero.
 //
-// Config keys: async_cache_mb, async_cache_max_block, async_small_slabs, and the pool's async_release_threshold and async_reuse_* keys,
+// Config keys: async_cache_mb, async_cache_max_block, async_small_slabs, async_recent_blocks, and the pool's async_release_threshold and async_reuse_* keys,
 // which the policy forwards to the pool (set_pool_options) when present.
 #pragma once
 
@@ -55,6 +68,7 @@
 #include <cachealloc/stream_ordered.h>
 #include <cachealloc/types.h>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -80,12 +94,14 @@ class AsyncPolicy {
   AsyncPolicy& operator=(const AsyncPolicy&) = delete;
 
   [[nodiscard]] Block allocate(std::size_t bytes, StreamId stream);
-  void deallocate(Block block, StreamId stream) noexcept;
+  void deallocate(const Block& block, StreamId stream) noexcept;
   std::size_t release_cached();
   [[nodiscard]] std::size_t reserved_bytes() const noexcept { return reserved_; }
   void check_invariants() const;
 
   static constexpr std::size_t kSmallMax = 1 * kMiB;
+  /// Most recent large frees kept per stream (Note [Recently freed large blocks in async]).
+  static constexpr std::size_t kMaxRecent = 16;
   /// The size a request is rounded to (its cache key).
   [[nodiscard]] static std::size_t rounded_size(std::size_t bytes) noexcept;
 
@@ -93,7 +109,7 @@ class AsyncPolicy {
   /// Bytes the policy holds from the pool beyond the blocks it handed out: the exact-size cache
   /// and the free parts of its slabs.
   [[nodiscard]] std::size_t cached_bytes() const noexcept {
-    return cached_bytes_ + (slab_bytes_ - small_live_bytes_);
+    return cached_bytes_ + recent_bytes_ + (slab_bytes_ - small_live_bytes_);
   }
   [[nodiscard]] std::size_t slab_count() const noexcept { return slabs_.size(); }
   [[nodiscard]] std::size_t cache_limit() const noexcept { return cache_limit_; }
@@ -116,6 +132,9 @@ class AsyncPolicy {
     std::unordered_map<std::size_t, std::vector<void*>> by_size;  // LIFO per rounded size
     std::unordered_map<std::size_t, std::vector<std::pair<void*, Slab*>>> small_free;  // per class
     Slab* carving = nullptr;  // the slab new small blocks are carved from
+    /// Note [Recently freed large blocks in async]: oldest first.
+    std::array<std::pair<void*, std::size_t>, kMaxRecent> recent{};
+    std::size_t recent_count = 0;
   };
 
   /// The stream's cache, created on first use.
@@ -132,7 +151,12 @@ class AsyncPolicy {
   void release_slab(Slab* slab) noexcept;
   /// Every slab with no live block goes back to the pool.
   void release_empty_slabs() noexcept;
-  /// Returns every cached block to the pool.
+  /// The stream's recent block of exactly `size`, taken off its FIFO; nullptr when none.
+  void* take_recent(StreamCache& c, std::size_t size) noexcept;
+  void push_recent(StreamCache& c, void* ptr, std::size_t size) noexcept;
+  /// Gives every block on the stream's FIFO to the pool.
+  void flush_recent(StreamCache& c) noexcept;
+  /// Returns every cached block (exact-size cache and recent FIFOs) to the pool.
   void drain_cache() noexcept;
   void free_to_pool(void* ptr, StreamId stream) noexcept;
   void refresh_reserved() noexcept;
@@ -149,6 +173,8 @@ class AsyncPolicy {
   std::size_t slab_bytes_ = 0;       // kSlabBytes per slab held
   std::size_t small_live_bytes_ = 0;  // blocks handed out from slabs
   std::size_t cached_bytes_ = 0;
+  std::size_t recent_limit_ = 4;   // async_recent_blocks
+  std::size_t recent_bytes_ = 0;   // blocks on the recent FIFOs
   std::size_t live_bytes_ = 0;  // blocks handed out straight from the pool or the exact-size cache
   std::size_t reserved_ = 0;  // the pool's reserved_current after our last pool call
   std::uint64_t cache_hits_ = 0;

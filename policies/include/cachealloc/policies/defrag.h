@@ -135,7 +135,7 @@ class DefragPolicy {
   DefragPolicy& operator=(const DefragPolicy&) = delete;
 
   [[nodiscard]] Block allocate(std::size_t bytes, StreamId stream);
-  void deallocate(Block block, StreamId stream) noexcept;
+  void deallocate(const Block& block, StreamId stream) noexcept;
   /// Waits for every stream that used a free page, then unmaps and releases all wholly free pages.
   std::size_t release_cached();
   [[nodiscard]] std::size_t reserved_bytes() const noexcept;

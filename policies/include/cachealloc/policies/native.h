@@ -109,7 +109,7 @@ class NativePolicy {
   /// Block when the device has no room even after releasing the cache.
   [[nodiscard]] Block allocate(std::size_t bytes, StreamId stream);
   /// PyTorch's free_block(): back to the stream's pool, merged with free neighbours.
-  void deallocate(Block block, StreamId stream) noexcept;
+  void deallocate(const Block& block, StreamId stream) noexcept;
   /// PyTorch's release_cached_blocks() (torch.cuda.empty_cache()): frees every unsplit cached
   /// reservation and unmaps every free expandable page. Returns the bytes given back.
   std::size_t release_cached();

@@ -56,7 +56,7 @@ class SizeClassPolicy {
   SizeClassPolicy& operator=(const SizeClassPolicy&) = delete;
 
   [[nodiscard]] Block allocate(std::size_t bytes, StreamId stream);
-  void deallocate(Block block, StreamId stream) noexcept;
+  void deallocate(const Block& block, StreamId stream) noexcept;
   std::size_t release_cached();
   [[nodiscard]] std::size_t reserved_bytes() const noexcept { return reserved_; }
   void check_invariants() const;
