@@ -189,6 +189,36 @@ TEST_CASE("front end: the retry chain steps", "[core][oom]") {
   a.check_invariants();
 }
 
+TEST_CASE("front end: one event query per busy stream when polling parked frees", "[core]") {
+  auto backend = std::make_unique<SimBackend>(SimOptions{});
+  SimBackend* sim = backend.get();
+  Config config;
+  CachingAllocator<SizeClassPolicy> a(std::move(backend), config);
+  void* warm = a.allocate(4096, 1);  // the small segment exists: the polls below reserve nothing
+  a.deallocate(warm);
+  sim->hold_stream(2);
+  sim->hold_stream(3);
+  for (int i = 0; i < 3; ++i) {  // three frees parked behind stream 2, one behind stream 3
+    void* p = a.allocate(kMiB, 1);
+    a.record_stream(p, i < 2 ? 2 : 3);
+    a.record_stream(p, 2);
+    a.deallocate(p);
+  }
+  REQUIRE(a.pending_frees() == 3);
+  const std::uint64_t before = sim->device_calls();
+  void* q = a.allocate(4096, 1);
+  // Stream 2's first event is incomplete: its later ones are not queried, stream 3's is.
+  CHECK(sim->device_calls() - before == 2);
+  CHECK(a.pending_frees() == 3);
+  sim->release_stream(2);
+  sim->release_stream(3);
+  a.deallocate(q);
+  void* r = a.allocate(4096, 1);
+  CHECK(a.pending_frees() == 0);
+  a.deallocate(r);
+  a.check_invariants();
+}
+
 TEST_CASE("sim: the clock runs on the driver's time plus the modelled cost of each call",
           "[core][sim]") {
   SimOptions o;
