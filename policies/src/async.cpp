@@ -94,6 +94,7 @@ AsyncPolicy::StreamCache& AsyncPolicy::cache(StreamId stream) {
   if (StreamCache* c = find_cache(stream)) {
     return *c;
   }
+  drain_recent();  // a second stream: the recent FIFO is for single-stream jobs
   caches_.push_back(std::make_unique<StreamCache>(StreamCache{stream, {}, {}, nullptr}));
   last_cache_ = caches_.back().get();
   return *last_cache_;
@@ -224,9 +225,7 @@ Block AsyncPolicy::allocate(std::size_t bytes, StreamId stream) {
         return {ptr, size, nullptr};
       }
     }
-    for (auto& c : caches_) {  // every stream's, before the pool may grow
-      flush_recent(*c);
-    }
+    drain_recent();  // before the pool may grow
   }
   void* ptr = pool_.allocate_async(size, stream);
   ++pool_calls_;
@@ -258,7 +257,7 @@ void AsyncPolicy::deallocate(const Block& block, StreamId stream) noexcept {
     } catch (...) {  // NOLINT(bugprone-empty-catch): no memory for the cache: give it to the pool
     }
   }
-  if (recent_limit_ > 0) {
+  if (recent_limit_ > 0 && caches_.size() <= 1) {  // one stream only (Note [Recently freed ...])
     try {
       push_recent(cache(stream), block.ptr, block.size);
       return;
@@ -314,6 +313,12 @@ void AsyncPolicy::flush_recent(StreamCache& c) noexcept {
     recent_bytes_ -= c.recent[i].second;
   }
   c.recent_count = 0;
+}
+
+void AsyncPolicy::drain_recent() noexcept {
+  for (auto& c : caches_) {
+    flush_recent(*c);
+  }
 }
 
 void AsyncPolicy::drain_cache() noexcept {

@@ -237,8 +237,8 @@ TEST_CASE("async: async_cache_mb caps the cache; 0 sends every free to the pool"
   c->check_invariants();
 }
 
-TEST_CASE("async: recently freed large blocks serve their exact size on their stream, and go to the "
-          "pool before it can grow",
+TEST_CASE("async: recently freed large blocks serve their exact size, and go to the pool before "
+          "it can grow or a second stream allocates",
           "[async]") {
   auto [sim, a] = test::make_sim_allocator("async");  // async_recent_blocks defaults to 4
   SimStreamPool& pool = pool_of(*sim);
@@ -248,7 +248,7 @@ TEST_CASE("async: recently freed large blocks serve their exact size on their st
   a->deallocate(q);
   CHECK(pool.free_calls() == 0);
   const auto allocs = pool.allocate_calls();
-  for (int i = 0; i < 10; ++i) {  // exact sizes, same stream: no pool call
+  for (int i = 0; i < 10; ++i) {  // exact sizes: no pool call
     void* r = a->allocate(8 * kMiB, 0);
     CHECK(r == p);
     a->deallocate(r);
@@ -258,31 +258,35 @@ TEST_CASE("async: recently freed large blocks serve their exact size on their st
   CHECK(pool.free_calls() == 0);
   CHECK(a->stats().pool->front_cache_bytes == 11 * kMiB);
 
-  // Another stream's recent blocks: not reused by stream 5; its miss gives both to the pool first.
-  void* s5 = a->allocate(8 * kMiB, 5);
-  CHECK(s5 != p);
+  // A miss gives the FIFO to the pool before it calls allocate_async.
+  void* m = a->allocate(5 * kMiB, 0);
   CHECK(pool.free_calls() == 2);
   CHECK(pool.allocate_calls() == allocs + 1);
-  a->deallocate(s5);
-  a->check_invariants();
+  CHECK(a->stats().pool->front_cache_bytes == 0);
+  a->deallocate(m);
 
-  // A full FIFO gives its oldest block to the pool. (Stream 7's first miss flushed stream 5's.)
+  // A full FIFO gives its oldest block to the pool.
   std::vector<void*> blocks;
   for (std::size_t i = 0; i < 6; ++i) {
-    blocks.push_back(a->allocate((2 + i) * kMiB, 7));
+    blocks.push_back(a->allocate((20 + i) * kMiB, 0));
   }
-  CHECK(pool.free_calls() == 3);
-  const auto frees = pool.free_calls();
+  const auto frees = pool.free_calls();  // the 5 MiB block went back at the first of these misses
+  CHECK(frees == 3);
   for (void* b : blocks) {
     a->deallocate(b);
   }
   CHECK(pool.free_calls() == frees + 2);
+  CHECK(a->stats().pool->front_cache_bytes == (22 + 23 + 24 + 25) * kMiB);
   a->check_invariants();
-  // A miss flushes every FIFO: stream 7's four blocks, here for a request of stream 0.
-  void* m = a->allocate(100 * kMiB, 0);
+
+  // A second stream: every FIFO goes to the pool, and large frees go straight there from now on.
+  void* s5 = a->allocate(22 * kMiB, 5);
   CHECK(pool.free_calls() == frees + 2 + 4);
   CHECK(a->stats().pool->front_cache_bytes == 0);
-  a->deallocate(m);
+  a->deallocate(s5);
+  void* again = a->allocate(7 * kMiB, 0);
+  a->deallocate(again);
+  CHECK(pool.free_calls() == frees + 2 + 4 + 2);
   a->empty_cache();
   CHECK(pool.used_current() == 0);
   a->check_invariants();

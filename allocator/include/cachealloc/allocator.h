@@ -173,7 +173,7 @@ class CachingAllocator final : public DeviceAllocator {
       throw;
     }
     map_.insert(reinterpret_cast<std::uintptr_t>(block.ptr),
-                Entry{block, bytes, stream, {}});
+                Entry{block, bytes, stream, nullptr});
     stats_.allocated_bytes.increase(static_cast<std::int64_t>(block.size));
     stats_.requested_bytes.increase(static_cast<std::int64_t>(bytes));
     stats_.active_bytes.increase(static_cast<std::int64_t>(block.size));
@@ -205,7 +205,7 @@ class CachingAllocator final : public DeviceAllocator {
     if (observer_) {
       observer_(AllocatorEvent::free_requested, key, e.requested, e.stream);
     }
-    if (e.other_streams.empty()) {
+    if (e.other_streams == nullptr) {
       complete_free(e.block, e.requested, e.stream);
     } else {
       park(std::move(e));
@@ -223,12 +223,15 @@ class CachingAllocator final : public DeviceAllocator {
     if (stream == entry->stream) {
       return;
     }
-    for (StreamId s : entry->other_streams) {
+    if (entry->other_streams == nullptr) {
+      entry->other_streams = std::make_unique<std::vector<StreamId>>();
+    }
+    for (StreamId s : *entry->other_streams) {
       if (s == stream) {
         return;
       }
     }
-    entry->other_streams.push_back(stream);
+    entry->other_streams->push_back(stream);
   }
 
   void empty_cache() override {
@@ -391,7 +394,9 @@ class CachingAllocator final : public DeviceAllocator {
     Block block;
     std::size_t requested;
     StreamId stream;
-    std::vector<StreamId> other_streams;
+    /// Null until record_stream names another stream: one pointer keeps the map's slots small
+    /// (a free probes one at random among all live blocks).
+    std::unique_ptr<std::vector<StreamId>> other_streams;
   };
   struct Parked {
     Block block;
@@ -506,7 +511,7 @@ class CachingAllocator final : public DeviceAllocator {
   /// next flush records the events again (a waiting flush retries until it succeeds), so a
   /// failing event call costs memory for a while, never safety.
   void park(Entry&& e) noexcept {
-    Parked p{e.block, e.requested, e.stream, std::move(e.other_streams), {}, false};
+    Parked p{e.block, e.requested, e.stream, std::move(*e.other_streams), {}, false};
     record_events(p);
     pending_.push_back(std::move(p));
   }

@@ -44,6 +44,13 @@
 // stream's again at once) as soon as that stream's large request misses, before it calls
 // allocate_async: the pool never grows while the requesting stream holds recent blocks, so the
 // FIFO does not raise the peak the way a large cache did (Note [A small front cache]).
+// The FIFO serves single-stream jobs only: once a second stream allocates, every FIFO goes to
+// the pool and large frees go straight there again. Held back on one stream's FIFO, a block is
+// out of reach of the pool's cross-stream reuse (event dependencies, opportunistic reuse); on
+// the H200 e2e pipeline workload (two streams, record_stream) the FIFO, flushed for every
+// stream at every miss, raised allocator time per step from 406 to 612 us and the peak from
+// 3,526 to 3,622 MiB (medians of 5 runs, bench/results/e2e_h200_2026-12-02_session5a.md),
+// while it cut time on the single-stream gpt2 and resnet50 by 4% and 8%.
 //
 // Note [Stream order in the front cache]
 // A cached block is reused only by the stream it was freed on (stream order makes that safe
@@ -156,6 +163,8 @@ class AsyncPolicy {
   void push_recent(StreamCache& c, void* ptr, std::size_t size) noexcept;
   /// Gives every block on the stream's FIFO to the pool.
   void flush_recent(StreamCache& c) noexcept;
+  /// flush_recent on every stream.
+  void drain_recent() noexcept;
   /// Returns every cached block (exact-size cache and recent FIFOs) to the pool.
   void drain_cache() noexcept;
   void free_to_pool(void* ptr, StreamId stream) noexcept;
