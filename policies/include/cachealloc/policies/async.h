@@ -50,7 +50,9 @@
 // the H200 e2e pipeline workload (two streams, record_stream) the FIFO, flushed for every
 // stream at every miss, raised allocator time per step from 406 to 612 us and the peak from
 // 3,526 to 3,622 MiB (medians of 5 runs, bench/results/e2e_h200_2026-12-02_session5a.md),
-// while it cut time on the single-stream gpt2 and resnet50 by 4% and 8%.
+// On single-stream resnet50 it cut allocator time by 8% and 19% in two runs (1,726 against
+// 1,870 and 1,540 against 1,901 us/step, session5a and session5c); on gpt2, whose shapes change
+// every step, the two runs disagreed in sign (-4%, +8%): noise.
 //
 // Note [Stream order in the front cache]
 // A cached block is reused only by the stream it was freed on (stream order makes that safe
