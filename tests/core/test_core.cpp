@@ -122,6 +122,100 @@ TEST_CASE("spin mutex: mutual exclusion under contention, try_lock, long holds",
   CHECK(counter == std::uint64_t{kThreads} * kRounds);
 }
 
+TEST_CASE("front end: statistics agree with a plain Stat model under parking and resets", "[core]") {
+  // Note [Cheap statistics on the fast path]: the front end derives cumulative figures and the
+  // `active` statistics; this drives the textbook version (Stat, every field written on every
+  // change) beside it and compares all five statistics after every step.
+  auto backend = std::make_unique<SimBackend>(SimOptions{});
+  SimBackend* sim = backend.get();
+  Config config;
+  CachingAllocator<SizeClassPolicy> a(std::move(backend), config);
+  Stat allocated, requested, active_bytes, allocation, active;
+  struct Parked {
+    std::size_t size;
+    bool done;
+  };
+  std::vector<Parked> parked;
+  std::vector<std::pair<void*, bool>> live;  // pointer, used on stream 2 too
+  std::mt19937_64 rng(7);
+  sim->hold_stream(2);
+  auto complete_done = [&] {
+    std::erase_if(parked, [&](const Parked& p) {
+      if (p.done) {
+        active_bytes.decrease(static_cast<std::int64_t>(p.size));
+        active.decrease(1);
+      }
+      return p.done;
+    });
+  };
+  auto same = [](const Stat& x, const Stat& y) {
+    return x.current == y.current && x.peak == y.peak && x.allocated == y.allocated && x.freed == y.freed;
+  };
+  for (int step = 0; step < 20000; ++step) {
+    const unsigned op = static_cast<unsigned>(rng() % 100);
+    if (op < 45 || live.empty()) {
+      const std::size_t bytes = 1 + rng() % (rng() % 2 != 0 ? 4096 : 8 * kMiB);
+      if (!parked.empty()) {
+        complete_done();  // allocate() hands completed parked frees to the policy first
+      }
+      void* p = a.allocate(bytes, 1);
+      const std::size_t size = a.find(p)->block_size;
+      allocated.increase(static_cast<std::int64_t>(size));
+      requested.increase(static_cast<std::int64_t>(bytes));
+      active_bytes.increase(static_cast<std::int64_t>(size));
+      allocation.increase(1);
+      active.increase(1);
+      const bool cross = rng() % 4 == 0;
+      if (cross) {
+        a.record_stream(p, 2);
+      }
+      live.emplace_back(p, cross);
+    } else if (op < 85) {
+      const std::size_t k = rng() % live.size();
+      const auto [p, cross] = live[k];
+      live[k] = live.back();
+      live.pop_back();
+      const auto info = *a.find(p);
+      a.deallocate(p);
+      allocated.decrease(static_cast<std::int64_t>(info.block_size));
+      requested.decrease(static_cast<std::int64_t>(info.requested));
+      allocation.decrease(1);
+      if (cross) {
+        parked.push_back({info.block_size, false});
+      } else {
+        active_bytes.decrease(static_cast<std::int64_t>(info.block_size));
+        active.decrease(1);
+      }
+    } else if (op < 92) {
+      sim->release_stream(2);  // every event recorded on stream 2 so far completes
+      sim->hold_stream(2);
+      for (Parked& p : parked) {
+        p.done = true;
+      }
+    } else if (op < 96) {
+      a.reset_peak_stats();
+      for (Stat* st : {&allocated, &requested, &active_bytes, &allocation, &active}) {
+        st->reset_peak();
+      }
+    } else {
+      a.reset_accumulated_stats();
+      for (Stat* st : {&allocated, &requested, &active_bytes, &allocation, &active}) {
+        st->reset_accumulated();
+      }
+    }
+    const Stats s = a.stats();
+    REQUIRE(a.pending_frees() == parked.size());
+    REQUIRE(same(s.allocated_bytes, allocated));
+    REQUIRE(same(s.requested_bytes, requested));
+    REQUIRE(same(s.active_bytes, active_bytes));
+    REQUIRE(same(s.allocation, allocation));
+    REQUIRE(same(s.active, active));
+    REQUIRE(s.alloc_calls == static_cast<std::uint64_t>(allocation.allocated));
+    REQUIRE(s.free_calls == static_cast<std::uint64_t>(allocation.freed));
+  }
+  a.check_invariants();
+}
+
 TEST_CASE("sim backend: capacity, deterministic addresses, events, faults", "[sim]") {
   SimOptions o;
   o.capacity = 64 * kMiB;
