@@ -280,16 +280,20 @@ void AsyncPolicy::free_to_pool(void* ptr, StreamId stream) noexcept {
   }
 }
 
+void* AsyncPolicy::remove_recent(StreamCache& c, std::size_t i) noexcept {
+  const auto [ptr, size] = c.recent[i];
+  std::copy(c.recent.begin() + static_cast<std::ptrdiff_t>(i) + 1,
+            c.recent.begin() + static_cast<std::ptrdiff_t>(c.recent_count),
+            c.recent.begin() + static_cast<std::ptrdiff_t>(i));
+  --c.recent_count;
+  recent_bytes_ -= size;
+  return ptr;
+}
+
 void* AsyncPolicy::take_recent(StreamCache& c, std::size_t size) noexcept {
   for (std::size_t i = c.recent_count; i-- > 0;) {  // newest first
     if (c.recent[i].second == size) {
-      void* ptr = c.recent[i].first;
-      std::copy(c.recent.begin() + static_cast<std::ptrdiff_t>(i) + 1,
-                c.recent.begin() + static_cast<std::ptrdiff_t>(c.recent_count),
-                c.recent.begin() + static_cast<std::ptrdiff_t>(i));
-      --c.recent_count;
-      recent_bytes_ -= size;
-      return ptr;
+      return remove_recent(c, i);
     }
   }
   return nullptr;
@@ -297,11 +301,7 @@ void* AsyncPolicy::take_recent(StreamCache& c, std::size_t size) noexcept {
 
 void AsyncPolicy::push_recent(StreamCache& c, void* ptr, std::size_t size) noexcept {
   if (c.recent_count == recent_limit_) {  // the oldest goes to the pool
-    free_to_pool(c.recent[0].first, c.stream);
-    recent_bytes_ -= c.recent[0].second;
-    std::copy(c.recent.begin() + 1, c.recent.begin() + static_cast<std::ptrdiff_t>(c.recent_count),
-              c.recent.begin());
-    --c.recent_count;
+    free_to_pool(remove_recent(c, 0), c.stream);
   }
   c.recent[c.recent_count++] = {ptr, size};
   recent_bytes_ += size;

@@ -49,7 +49,7 @@
 // out of reach of the pool's cross-stream reuse (event dependencies, opportunistic reuse); on
 // the H200 e2e pipeline workload (two streams, record_stream) the FIFO, flushed for every
 // stream at every miss, raised allocator time per step from 406 to 612 us and the peak from
-// 3,526 to 3,622 MiB (medians of 5 runs, bench/results/e2e_h200_2026-12-02_session5a.md),
+// 3,526 to 3,622 MiB (medians of 5 runs, bench/results/e2e_h200_2026-12-02_session5a.md).
 // On single-stream resnet50 it cut allocator time by 8% and 19% in two runs (1,726 against
 // 1,870 and 1,540 against 1,901 us/step, session5a and session5c); on gpt2, whose shapes change
 // every step, the two runs disagreed in sign (-4%, +8%): noise.
@@ -160,6 +160,8 @@ class AsyncPolicy {
   void release_slab(Slab* slab) noexcept;
   /// Every slab with no live block goes back to the pool.
   void release_empty_slabs() noexcept;
+  /// Takes the FIFO's i-th block off it (the later ones move up) and returns it.
+  void* remove_recent(StreamCache& c, std::size_t i) noexcept;
   /// The stream's recent block of exactly `size`, taken off its FIFO; nullptr when none.
   void* take_recent(StreamCache& c, std::size_t size) noexcept;
   void push_recent(StreamCache& c, void* ptr, std::size_t size) noexcept;
