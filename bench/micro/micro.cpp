@@ -2,7 +2,8 @@
 //
 //   pair/<policy>/<bytes>     a cached alloc+free pair of one size on one stream
 //   random/<policy>           random free+alloc over 1,000 live blocks of 512 B - 32 MiB
-//   holes/<policy>/<holes>    alloc+free of a size that fits no hole, with N free holes cached
+//   holes/<policy>/<holes>    alloc+free of sizes that fit no hole exactly, with N free holes
+//                             cached, 32 sizes in turn so that no recently-freed FIFO serves them
 //                             (best-fit search cost must stay flat as holes grow: O(log n))
 //   threads/<policy>          alloc+free pairs from 1, 2, 4, 8 threads on one allocator
 //   cold/<policy>             a cached 64 KiB alloc+free pair after the CPU caches were flushed
@@ -26,6 +27,7 @@
 
 #include <benchmark/benchmark.h>
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -96,9 +98,17 @@ void holes(benchmark::State& state, const std::string& policy) {
   for (std::size_t i = 0; i < blocks.size(); i += 2) {
     a->deallocate(blocks[i]);
   }
-  const std::size_t probe = (2 << 20) + 700 * 4096;
+  // Probe sizes that fit no hole exactly (holes are even multiples of 4 KiB above 2 MiB) and
+  // rotate through more sizes than any policy's recently-freed FIFO holds (at most 16), so every
+  // request misses that FIFO and searches the free set (a single repeated size measured the
+  // FIFO, not the search, for size_class and async).
+  std::array<std::size_t, 32> probes{};
+  for (std::size_t k = 0; k < probes.size(); ++k) {
+    probes[k] = (2 << 20) + (301 + 22 * k) * 4096;
+  }
+  std::size_t k = 0;
   for (auto _ : state) {
-    void* p = a->allocate(probe, 0);
+    void* p = a->allocate(probes[k++ & 31], 0);
     benchmark::DoNotOptimize(std::as_const(p));  // const overload: the "+m" form handed back the address of p under GCC 12 + ASan
     a->deallocate(p);
   }

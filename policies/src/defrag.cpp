@@ -263,7 +263,7 @@ Node* DefragEngine::new_node() {
   if (!node_free_.empty()) {
     Node* n = node_free_.back();
     node_free_.pop_back();
-    *n = Node{};
+    n->reset();
     return n;
   }
   node_storage_.emplace_back();
@@ -318,31 +318,32 @@ IndexKey DefragEngine::key_of(const Node* n) const noexcept {
 
 void DefragEngine::index_put(Node* n) {
   Index& index = index_of(n);
-  if (n->indexed) {
-    const IndexKey key = key_of(n);
-    if (key.bucket == n->it->bucket) {
-      // Most changes keep the key between its neighbours: update it where it is.
-      const bool after_prev = n->it == index.begin() || *std::prev(n->it) < key;
-      const auto next = std::next(n->it);
-      if (after_prev && (next == index.end() || key < *next)) {
-        n->it->size = key.size;
-        n->it->addr = key.addr;
-        return;
-      }
-    }
-    // Otherwise extract and re-insert the same tree node (no allocation).
-    auto handle = index.extract(n->it);
-    handle.value() = key_of(n);
-    n->it = index.insert(std::move(handle)).position;
-  } else {
-    n->it = index.insert(key_of(n)).first;
-    n->indexed = true;
+  const IndexKey now = key_of(n);
+  if (n->indexed && !(n->key < now) && !(now < n->key)) {
+    return;
   }
+  const IndexKey old = n->key;
+  const bool was_indexed = n->indexed;
+  n->indexed = false;  // until the index holds the new key (an insert may fail)
+  // Field by field into the node, and the index reads the key from there: a freshly built
+  // key copied whole stalls on store forwarding (Note [A B+tree for best-fit searches]).
+  n->key.bucket = now.bucket;
+  n->key.size = now.size;
+  n->key.addr = now.addr;
+  n->key.node = n;
+  if (was_indexed) {
+    // Most changes keep the key between its neighbours: update() changes it where it is, else
+    // erases it and inserts the new key.
+    index.update(old, n->key);
+  } else {
+    index.insert(n->key);
+  }
+  n->indexed = true;
 }
 
 void DefragEngine::index_remove(Node* n) noexcept {
   if (n->indexed) {
-    index_of(n).erase(n->it);
+    index_of(n).erase(n->key);
     n->indexed = false;
   }
 }
@@ -438,8 +439,8 @@ Node* DefragEngine::merge_around(Node* n, std::uint32_t owner, bool for_owner) n
   try {
     index_put(n);
   } catch (...) {
-    // Only a fresh insert allocates (from the pool). Out of host memory, the hole stays out of
-    // the index: never reused, so still safe, and check_invariants() reports it.
+    // Only an insert that splits a tree node allocates. Out of host memory, the hole stays out
+    // of the index: never reused, so still safe, and check_invariants() reports it.
   }
   age_touch(n);
   return n;
@@ -569,7 +570,7 @@ Node* DefragEngine::carve(Node* f, std::uintptr_t start, std::size_t size, std::
       }
       f->size = start - f->addr;
     }
-    index_put(f);  // re-keys in place or moves its tree node: no allocation
+    index_put(f);  // re-keys in place, or erase + insert (which may allocate a tree node)
     age_update(f);
   }
   b->addr = start;

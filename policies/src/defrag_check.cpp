@@ -5,6 +5,7 @@
 #include "defrag_engine.h"
 
 #include <algorithm>
+#include <stdexcept>
 #include <string>
 
 namespace cachealloc::detail {
@@ -62,9 +63,12 @@ void DefragEngine::check_invariants() const {
           CACHEALLOC_CHECK_INVARIANT(false, "recycled node still linked" + where());
       }
       if (n->indexed) {
-        const IndexKey& k = *n->it;
+        const IndexKey& k = n->key;
         CACHEALLOC_CHECK_INVARIANT(k.node == n && k.size == n->size && k.addr == n->addr,
                                    "index key out of date" + where());
+        const auto entry = index_of(n).find(k);
+        CACHEALLOC_CHECK_INVARIANT(entry != index_of(n).end() && entry->node == n,
+                                   "indexed hole not found under its key" + where());
         const IndexKey expected = key_of(n);
         CACHEALLOC_CHECK_INVARIANT(k.bucket == expected.bucket, "index bucket out of date" + where());
       }
@@ -100,6 +104,13 @@ void DefragEngine::check_invariants() const {
     }
   }
   CACHEALLOC_CHECK_INVARIANT(age_nodes == in_age, "age list length disagrees with its members");
+  for (const Index* index : {&mapped_, &unmapped_}) {
+    try {
+      index->check();
+    } catch (const std::logic_error& e) {
+      throw InvariantError(std::string("defrag: a free index is broken: ") + e.what());
+    }
+  }
   CACHEALLOC_CHECK_INVARIANT(mapped_nodes == mapped_.size(), "stale entries in the mapped index");
   CACHEALLOC_CHECK_INVARIANT(unmapped_nodes == unmapped_.size(), "stale entries in the unmapped index");
   CACHEALLOC_CHECK_INVARIANT(live == live_bytes_ && live_blocks == live_blocks_,

@@ -8,6 +8,7 @@
 #include <bit>
 #include <cmath>
 #include <limits>
+#include <stdexcept>
 #include <string>
 
 #include "native_detail.h"
@@ -345,15 +346,14 @@ Block* Core::alloc_found_block(Block* block, std::size_t size, bool split_remain
 
 void Core::cache(Block* block) {
   block->gc_count_base = block->pool->get_free_block_calls;
-  block->where =
-      block->pool->free_blocks.insert(FreeEntry{block->stream, block->size, block->addr, block})
-          .first;
+  block->pool->free_blocks.insert(FreeEntry{block->stream, block->size, block->addr, block});
   cached_ += block->size;
 }
 
 void Core::uncache(Block* block) noexcept {
   if (block->mapped) {
-    block->pool->free_blocks.erase(block->where);
+    // The key is the one cache() inserted: a cached block's address and size never change.
+    block->pool->free_blocks.erase(SizeKey{block->stream, block->size, block->addr});
     cached_ -= block->size;
   } else {
     block->pool->unmapped.erase(block);
@@ -403,13 +403,17 @@ void Core::record(SegmentEvent::Kind kind, std::uint64_t size, std::uint64_t add
 
 /// Note [No allocation on free]
 /// deallocate() is noexcept and must not run out of memory halfway through merging. Every set
-/// node comes from `nodes_`, and a Block sits in at most one set, so keeping at least one node
-/// slot per live Block means caching a freed block never allocates. The calls that create Blocks
-/// (allocate, the unmapping in release_cached) first make room for the Blocks, nodes and segment
-/// events they may need, before they change anything, so a bad_alloc leaves the state intact.
+/// node of the unmapped sets comes from `nodes_`, and a Block sits in at most one set, so keeping
+/// at least one node slot per live Block means that set never allocates on free. The free indexes
+/// are B+trees: reserve_total makes every insert allocation-free until they hold every live
+/// Block (a free index never holds more). The calls that create Blocks (allocate, the unmapping
+/// in release_cached) first make room for the Blocks, nodes and segment events they may need,
+/// before they change anything, so a bad_alloc leaves the state intact.
 void Core::reserve_spares(std::size_t blocks, std::size_t events) {
   arena_.reserve(blocks);
   nodes_.reserve(arena_.live() + blocks);
+  small_.free_blocks.reserve_total(arena_.live() + blocks);
+  large_.free_blocks.reserve_total(arena_.live() + blocks);
   if (record_ && events_.capacity() - events_.size() < events) {
     events_.reserve(std::max(2 * events_.capacity(), events_.size() + events));  // geometric
   }
@@ -497,24 +501,26 @@ bool Core::release_available_cached_blocks(Pool& pool, std::size_t size, StreamI
     if (it == pool.free_blocks.begin()) {
       return false;
     }
+    // Walk down from the largest block below `wanted`, collecting first: releasing changes the
+    // free index, which invalidates its iterators.
     std::size_t released = 0;
+    std::vector<Block*> release;
     --it;  // the largest block below `wanted`, hopefully on this stream
     while (released < wanted && it->size >= settings_.max_split_size && it->stream == stream) {
-      auto current = it;
-      const bool first = current == pool.free_blocks.begin();
-      if (!first) {
-        --it;
-      }
       // An oversize block is normally a whole reservation; a split one (possible only in corner
       // cases) cannot be given back on its own, so it is skipped rather than freed partially.
-      Block* block = current->block;
+      Block* block = it->block;
       if (!block->segment->expandable && !block->is_split()) {
         released += block->size;
-        release_block(block);
+        release.push_back(block);
       }
-      if (first) {
+      if (it == pool.free_blocks.begin()) {
         break;
       }
+      --it;
+    }
+    for (Block* block : release) {  // PyTorch frees them even when they fall short
+      release_block(block);
     }
     if (released < wanted) {
       return false;
@@ -533,14 +539,17 @@ bool Core::release_available_cached_blocks(Pool& pool, std::size_t size, StreamI
 /// pages of its expandable segments (dropping a segment once nothing in it is mapped).
 void Core::release_blocks(Pool& pool) {
   std::vector<Block*> to_unmap;
-  for (auto it = pool.free_blocks.begin(); it != pool.free_blocks.end();) {
-    Block* block = it->block;
-    ++it;
+  std::vector<Block*> to_release;  // collected first: releasing changes the free index
+  for (const FreeEntry& e : pool.free_blocks) {
+    Block* block = e.block;
     if (block->segment->expandable) {
       to_unmap.push_back(block);
     } else if (!block->is_split()) {
-      release_block(block);
+      to_release.push_back(block);
     }
+  }
+  for (Block* block : to_release) {
+    release_block(block);
   }
   for (Block* block : to_unmap) {
     unmap_block(block);
@@ -597,18 +606,20 @@ void Core::garbage_collect_cached_blocks() {
   while (reclaimed < target && freed_any && freeable > 0) {
     const double age_threshold = static_cast<double>(total_age) / static_cast<double>(freeable);
     freed_any = false;
-    for (auto it = large_.free_blocks.begin(); it != large_.free_blocks.end();) {
-      Block* block = it->block;
-      ++it;
-      if (!block->is_split() && !block->segment->expandable &&
-          static_cast<double>(age(block)) >= age_threshold) {
-        freed_any = true;
-        released = true;
-        reclaimed += block->size;
-        total_age -= age(block);
-        --freeable;
-        release_block(block);
+    std::vector<Block*> old_enough;  // collected first: releasing changes the free index
+    for (const FreeEntry& e : large_.free_blocks) {
+      if (!e.block->is_split() && !e.block->segment->expandable &&
+          static_cast<double>(age(e.block)) >= age_threshold) {
+        old_enough.push_back(e.block);
       }
+    }
+    for (Block* block : old_enough) {
+      freed_any = true;
+      released = true;
+      reclaimed += block->size;
+      total_age -= age(block);
+      --freeable;
+      release_block(block);
     }
   }
   if (released) {
@@ -688,7 +699,7 @@ void Core::check_invariants() const {
         if (b->mapped) {
           auto entry = b->pool->free_blocks.find(SizeKey{b->stream, b->size, b->addr});
           CACHEALLOC_CHECK_INVARIANT(
-              entry != b->pool->free_blocks.end() && entry->block == b && entry == b->where,
+              entry != b->pool->free_blocks.end() && entry->block == b,
               "free block missing from its pool");
           cached += b->size;
           ++(b->pool->small ? free_small : free_large);
@@ -707,6 +718,13 @@ void Core::check_invariants() const {
       reserved += s.mapped_bytes;
     } else {
       reserved += s.size;
+    }
+  }
+  for (const Pool* pool : {&small_, &large_}) {
+    try {
+      pool->free_blocks.check();
+    } catch (const std::logic_error& e) {
+      throw InvariantError(std::string("native: a pool's free index is broken: ") + e.what());
     }
   }
   CACHEALLOC_CHECK_INVARIANT(

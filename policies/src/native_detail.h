@@ -13,6 +13,7 @@
 
 #include <cachealloc/backend.h>
 #include <cachealloc/errors.h>
+#include <cachealloc/ordered_index.h>
 #include <cachealloc/policies/native.h>
 #include <cachealloc/types.h>
 
@@ -138,7 +139,8 @@ struct ByAddress {
   bool operator()(const SizeKey& k, const Block* b) const noexcept;
 };
 
-using FreeBlocks = std::set<FreeEntry, BySize, ArenaAllocator<FreeEntry>>;
+/// A B+tree (Note [A B+tree for best-fit searches]); entries are erased by key.
+using FreeBlocks = OrderedIndex<FreeEntry, BySize>;
 using UnmappedBlocks = std::set<Block*, ByAddress, ArenaAllocator<Block*>>;
 
 struct Block {
@@ -150,7 +152,6 @@ struct Block {
   Segment* segment = nullptr;
   Pool* pool = nullptr;
   std::int64_t gc_count_base = 0;  // pool's get_free_block count when it was last cached
-  FreeBlocks::iterator where{};    // its entry in the pool's free set, while cached
   bool allocated = false;
   bool mapped = true;  // false only for unmapped ranges of expandable segments
 
@@ -170,8 +171,7 @@ inline bool ByAddress::operator()(const SizeKey& k, const Block* b) const noexce
 /// PyTorch's BlockPool: the small or the large pool.
 struct Pool {
   Pool(bool is_small, NodeArena& nodes)
-      : free_blocks(BySize{}, ArenaAllocator<FreeEntry>(&nodes)),
-        unmapped(ByAddress{}, ArenaAllocator<Block*>(&nodes)),
+      : unmapped(ByAddress{}, ArenaAllocator<Block*>(&nodes)),
         small(is_small) {}
   FreeBlocks free_blocks;
   UnmappedBlocks unmapped;

@@ -3,6 +3,7 @@
 #include <cachealloc/policies/size_class.h>
 
 #include <algorithm>
+#include <stdexcept>
 #include <string>
 
 namespace cachealloc {
@@ -90,7 +91,7 @@ SizeClassPolicy::Pool& SizeClassPolicy::pool(StreamId stream) {
   if (Pool* p = find_pool(stream)) {
     return *p;
   }
-  pools_.push_back(std::make_unique<Pool>(&large_nodes_));
+  pools_.push_back(std::make_unique<Pool>());
   pools_.back()->stream = stream;
   last_pool_ = pools_.back().get();
   return *last_pool_;
@@ -160,7 +161,7 @@ void SizeClassPolicy::insert_free(BlockMeta* b) {
   if (b->small) {
     p.small[b->size_class].push_back(b);
   } else {
-    b->large_it = p.large.insert(LargeKey{b->size, b->addr, b}).first;
+    p.large.insert(LargeKey{b->size, b->addr, b});
   }
 }
 
@@ -170,7 +171,7 @@ void SizeClassPolicy::erase_free(BlockMeta* b) {
     auto& list = p->small[b->size_class];
     list.erase(std::find(list.begin(), list.end(), b));
   } else {
-    p->large.erase(b->large_it);
+    p->large.erase(LargeKey{b->size, b->addr, b});
   }
 }
 
@@ -528,11 +529,16 @@ void SizeClassPolicy::check_invariants() const {
           "a block twice in a recent FIFO");
       ++listed_recent;
     }
+    try {
+      p->large.check();
+    } catch (const std::logic_error& e) {
+      throw InvariantError(std::string("size_class: the large free index is broken: ") + e.what());
+    }
     for (const LargeKey& k : p->large) {
       const BlockMeta* b = k.meta;
       CACHEALLOC_CHECK_INVARIANT(b->free && !b->small && b->owner == p->stream,
                                  "large free set holds a wrong block");
-      CACHEALLOC_CHECK_INVARIANT(k.size == b->size && k.addr == b->addr && &*b->large_it == &k,
+      CACHEALLOC_CHECK_INVARIANT(k.size == b->size && k.addr == b->addr,
                                  "large free set key differs from its block");
       ++listed_large;
     }

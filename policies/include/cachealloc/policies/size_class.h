@@ -27,6 +27,7 @@
 
 #include <cachealloc/backend.h>
 #include <cachealloc/config.h>
+#include <cachealloc/ordered_index.h>
 #include <cachealloc/policy.h>
 #include <cachealloc/types.h>
 
@@ -34,8 +35,6 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
-#include <memory_resource>
-#include <set>
 #include <string_view>
 #include <vector>
 
@@ -79,9 +78,9 @@ class SizeClassPolicy {
  private:
   struct Segment;
   struct BlockMeta;
-  /// A free large block's entry in its pool's set: the (size, address) key lives in the tree
-  /// node, so a best-fit search compares without touching the blocks (Note [Large free sets],
-  /// size_class.cpp).
+  /// A free large block's entry in its pool's index: the (size, address) key lives in the index,
+  /// so a best-fit search compares without touching the blocks (a B+tree: Note [A B+tree for
+  /// best-fit searches] in ordered_index.h).
   struct LargeKey {
     std::size_t size;
     std::uintptr_t addr;
@@ -90,7 +89,7 @@ class SizeClassPolicy {
       return a.size != b.size ? a.size < b.size : a.addr < b.addr;
     }
   };
-  using LargeSet = std::pmr::set<LargeKey>;
+  using LargeSet = OrderedIndex<LargeKey>;
   struct BlockMeta {
     std::uintptr_t addr;
     std::size_t size;
@@ -102,8 +101,7 @@ class SizeClassPolicy {
     std::uint16_t size_class;  // small only
     bool small;
     bool free;
-    bool recent = false;            // large, free, in its owner pool's `recent` (not in `large`)
-    LargeSet::iterator large_it{};  // large and free and not recent: its entry in the owner's set
+    bool recent = false;  // large, free, in its owner pool's `recent` (not in `large`)
   };
   struct Segment {
     std::uintptr_t base;
@@ -118,7 +116,6 @@ class SizeClassPolicy {
   static constexpr std::size_t kClassCount = 48;
   static constexpr std::size_t kRecent = 4;  ///< Note [Recently freed large blocks]
   struct Pool {
-    explicit Pool(std::pmr::memory_resource* nodes) : large(nodes) {}
     StreamId stream = 0;
     LargeSet large;
     std::array<BlockMeta*, kRecent> recent{};  // oldest first
@@ -154,8 +151,6 @@ class SizeClassPolicy {
   [[nodiscard]] SegmentView segment_view(const Segment& seg) const;
 
   DeviceBackend& backend_;
-  /// Tree nodes of every pool's large set (no malloc per insert); before pools_, which use it.
-  std::pmr::unsynchronized_pool_resource large_nodes_;
   std::size_t large_segment_ = 20 * kMiB;
   std::size_t large_direct_threshold_ = 10 * kMiB;
   std::vector<std::unique_ptr<Pool>> pools_;  // few streams: linear search
