@@ -344,6 +344,52 @@ TEST_CASE("front end: one event query per busy stream when polling parked frees"
   a.check_invariants();
 }
 
+TEST_CASE("front end: event_poll_interval polls parked frees at every N-th allocation only",
+          "[core]") {
+  auto backend = std::make_unique<SimBackend>(SimOptions{});
+  SimBackend* sim = backend.get();
+  Config config = Config::parse("event_poll_interval:4");
+  CachingAllocator<SizeClassPolicy> a(std::move(backend), config);
+  config.finish("test", {});  // the front end took the key
+  void* warm = a.allocate(4096, 1);
+  a.deallocate(warm);
+  sim->hold_stream(2);
+  void* p = a.allocate(kMiB, 1);
+  a.record_stream(p, 2);
+  a.deallocate(p);
+  REQUIRE(a.pending_frees() == 1);
+  // Allocations 1-3 after the park query nothing; the 4th queries stream 2's event once.
+  std::vector<void*> held;
+  for (int i = 1; i <= 8; ++i) {
+    const std::uint64_t before = sim->device_calls();
+    held.push_back(a.allocate(4096, 1));
+    CHECK(sim->device_calls() - before == (i % 4 == 0 ? 1u : 0u));
+  }
+  sim->release_stream(2);
+  for (int i = 1; i <= 3; ++i) {  // completed, but not handed back before the next poll
+    held.push_back(a.allocate(4096, 1));
+    CHECK(a.pending_frees() == 1);
+  }
+  held.push_back(a.allocate(4096, 1));
+  CHECK(a.pending_frees() == 0);
+  for (void* h : held) {
+    a.deallocate(h);
+  }
+  // Out of memory, the retry chain still waits for parked frees whatever the interval.
+  sim->hold_stream(2);
+  void* big = a.allocate(12 * kMiB, 1);  // a segment of its own
+  a.record_stream(big, 2);
+  a.deallocate(big);
+  sim->set_limit(static_cast<std::size_t>(a.stats().reserved_bytes.current));
+  void* again = a.allocate(12 * kMiB, 1);  // no room to grow: the parked block, after a waiting flush
+  CHECK(a.pending_frees() == 0);
+  CHECK(again == big);
+  a.deallocate(again);
+  a.check_invariants();
+  Config bad = Config::parse("event_poll_interval:0");
+  CHECK_THROWS_AS(CachingAllocator<SizeClassPolicy>(std::make_unique<SimBackend>(SimOptions{}), bad), ConfigError);
+}
+
 TEST_CASE("sim: the clock runs on the driver's time plus the modelled cost of each call",
           "[core][sim]") {
   SimOptions o;

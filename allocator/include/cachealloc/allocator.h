@@ -21,6 +21,14 @@
 // instead of one per parked block). A block whose events were re-recorded after a failure sits
 // later in the order than its events' age: it is only queried later, never handed out early.
 //
+// Note [Polling parked frees]
+// While frees are parked, polling them at every allocation costs one cudaEventQuery per busy
+// stream per allocation, and in a two-stream input pipeline something is parked almost all the
+// time (the batch handed over with record_stream is freed at the end of the step and its event
+// completes about a step later). `event_poll_interval` (CACHEALLOC_CONF, 1-1024) polls at every
+// N-th allocation instead; the retry chain still waits for every parked free before it reports
+// out-of-memory, so a longer interval can only delay reuse, never fail an allocation.
+//
 // Note [Cheap statistics on the fast path]
 // A cached alloc+free pair is a few dozen instructions of real work, and keeping five PyTorch
 // statistics (current, peak, cumulative each) was a quarter of it (cachealloc-micro, pair/512 on
@@ -139,10 +147,15 @@ inline constexpr std::size_t kMaxRequestBytes = std::size_t{1} << 48;
 
 template <Policy P>
 class CachingAllocator final : public DeviceAllocator {
+  static constexpr std::uint32_t kDefaultPollInterval = 1;
  public:
   /// Takes ownership of `backend`; the policy takes its keys from `config`.
   CachingAllocator(std::unique_ptr<DeviceBackend> backend, Config& config)
-      : backend_(std::move(backend)), policy_(*backend_, config) {}
+      : backend_(std::move(backend)), policy_(*backend_, config) {
+    if (auto v = config.take_int("event_poll_interval", 1, 1024)) {  // Note [Polling parked frees]
+      poll_interval_ = static_cast<std::uint32_t>(*v);
+    }
+  }
 
   ~CachingAllocator() override {
     // Give everything back: parked frees complete (the process is done with them), then caches.
@@ -168,7 +181,8 @@ class CachingAllocator final : public DeviceAllocator {
                         bytes);
     }
     std::lock_guard lock(mutex_);
-    if (!pending_.empty()) {
+    if (!pending_.empty() && ++allocs_since_poll_ >= poll_interval_) {  // Note [Polling parked frees]
+      allocs_since_poll_ = 0;
       flush_pending(/*wait=*/false);
     }
     Block block;
@@ -608,6 +622,8 @@ class CachingAllocator final : public DeviceAllocator {
   P policy_;
   PointerMap<Entry> map_;
   std::vector<Parked> pending_;
+  std::uint32_t poll_interval_ = kDefaultPollInterval;  // Note [Polling parked frees]
+  std::uint32_t allocs_since_poll_ = 0;
   Stats stats_;  // the cold figures; the five below come from snapshot()
   Tally allocated_;
   Tally requested_;
