@@ -1,4 +1,4 @@
-// test_backends.cpp: the CUDA backends on their own: cudaMalloc and pooled events
+// test_backends.cpp: the CUDA backends on their own: cudaMalloc, host fences and pooled events
 // (cuda_runtime), map/unmap round trips and granularity (cuda_vmm), the private memory pool
 // and its attributes (cuda_async), and the factory.
 #include "gpu_test_util.h"
@@ -10,7 +10,9 @@
 #include <cachealloc/errors.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <limits>
+#include <vector>
 
 namespace cachealloc::gpu_test {
 namespace {
@@ -84,28 +86,71 @@ TEST_CASE("cuda_runtime: cudaMalloc, out of memory, pooled events", "[gpu][runti
     backend.release(p, 8 * kMiB);
   }
 
-  SECTION("events: pending while the stream is busy, done after; reused from the pool") {
+  SECTION("host fences: pending while the stream is busy, reached after; no CUDA event at all") {
+    // Note [Host fences instead of events]: H100/H200 support 64-bit stream memory operations.
     GPU_REQUIRE_OK(launch_spin(cycles_for_ms(20), s.get()));
     const EventId ev = backend.record_event(s.id());
+    if (is_hopper_h100_or_h200(test_device())) {
+      REQUIRE(backend.event_pool().fences_enabled());
+    }
+    std::printf("cuda_runtime: record_event gives %s\n", CudaEventPool::is_fence(ev) ? "host fences" : "CUDA events");
     CHECK_FALSE(backend.query_event(ev));
-    CHECK(cudaGetLastError() == cudaSuccess);  // cudaErrorNotReady was cleared
+    CHECK(cudaGetLastError() == cudaSuccess);
     backend.synchronize_event(ev);
     CHECK(backend.query_event(ev));
     backend.destroy_event(ev);
-    const EventId again = backend.record_event(s.id());
-    CHECK(again == ev);  // from the pool, not a new cudaEventCreate
-    CHECK(backend.event_pool().created() == 1);
-    backend.destroy_event(again);
+    // In stream order: a later fence of a busy stream is not reached before it runs, an earlier
+    // one of another stream is independent of it.
+    TestStream other;
+    GPU_REQUIRE_OK(launch_spin(cycles_for_ms(20), s.get()));
+    const EventId busy = backend.record_event(s.id());
+    const EventId idle = backend.record_event(other.id());
+    GPU_REQUIRE_OK(cudaStreamSynchronize(other.get()));
+    CHECK(backend.query_event(idle));
+    CHECK_FALSE(backend.query_event(busy));
+    backend.synchronize_event(busy);
+    CHECK(backend.query_event(busy));
     std::vector<EventId> many;
     for (int i = 0; i < 40; ++i) {
       many.push_back(backend.record_event(i % 2 == 0 ? s.id() : StreamId{0}));
     }
     for (EventId e : many) {
       backend.synchronize_event(e);
+      CHECK(backend.query_event(e));
       backend.destroy_event(e);
     }
-    CHECK(backend.event_pool().created() == 40);
-    CHECK(backend.event_pool().idle() == 40);
+    if (backend.event_pool().fences_enabled()) {
+      CHECK(backend.event_pool().created() == 0);
+    }
+  }
+
+  SECTION("events (CACHEALLOC_HOST_FENCES=0): pending while the stream is busy, done after; reused from the pool") {
+    ::setenv("CACHEALLOC_HOST_FENCES", "0", 1);
+    CudaRuntimeBackend events_only(test_device());
+    GPU_REQUIRE_OK(launch_spin(cycles_for_ms(20), s.get()));
+    const EventId ev = events_only.record_event(s.id());
+    ::unsetenv("CACHEALLOC_HOST_FENCES");
+    CHECK_FALSE(CudaEventPool::is_fence(ev));
+    CHECK_FALSE(events_only.event_pool().fences_enabled());
+    CHECK_FALSE(events_only.query_event(ev));
+    CHECK(cudaGetLastError() == cudaSuccess);  // cudaErrorNotReady was cleared
+    events_only.synchronize_event(ev);
+    CHECK(events_only.query_event(ev));
+    events_only.destroy_event(ev);
+    const EventId again = events_only.record_event(s.id());
+    CHECK(again == ev);  // from the pool, not a new cudaEventCreate
+    CHECK(events_only.event_pool().created() == 1);
+    events_only.destroy_event(again);
+    std::vector<EventId> many;
+    for (int i = 0; i < 40; ++i) {
+      many.push_back(events_only.record_event(i % 2 == 0 ? s.id() : StreamId{0}));
+    }
+    for (EventId e : many) {
+      events_only.synchronize_event(e);
+      events_only.destroy_event(e);
+    }
+    CHECK(events_only.event_pool().created() == 40);
+    CHECK(events_only.event_pool().idle() == 40);
   }
   CHECK(current_device() == before);
 }

@@ -4,6 +4,7 @@
 #include <cachealloc/errors.h>
 
 #include "cuda_check.h"
+#include "driver_api.h"
 
 #include <string>
 
@@ -121,6 +122,22 @@ void CudaAsyncBackend::free_async(void* ptr, StreamId stream) noexcept {
 
 void CudaAsyncBackend::make_stream_wait(StreamId waiter, EventId event) {
   CudaDeviceGuard guard(device_);  // the legacy default stream is per device
+  if (CudaEventPool::is_fence(event)) {
+    // A host fence (Note [Host fences instead of events]): the stream waits for its counter. The
+    // write was enqueued before this wait, so they cannot deadlock; the pool does not see this
+    // dependency (cudaMemPoolReuseFollowEventDependencies follows events only).
+    const auto& api = cuda_detail::driver_api();
+    if (api.stream_wait_value64 == nullptr) {
+      throw DeviceError("make_stream_wait on a host fence needs cuStreamWaitValue64, which this driver lacks");
+    }
+    const CUresult status = api.stream_wait_value64(reinterpret_cast<CUstream>(to_cuda_stream(waiter)),
+                                                    events_.fence_address(event),
+                                                    CudaEventPool::fence_sequence(event), CU_STREAM_WAIT_VALUE_GEQ);
+    if (status != CUDA_SUCCESS) {
+      cuda_detail::throw_driver_error(status, "cuStreamWaitValue64", __FILE__, __LINE__);
+    }
+    return;
+  }
   CACHEALLOC_CUDA_CHECK(cudaStreamWaitEvent(to_cuda_stream(waiter), CudaEventPool::to_event(event), 0));
 }
 

@@ -41,6 +41,16 @@ class Loader {
   }
 
  private:
+  /// Like resolve(), but a missing symbol leaves `fn` null.
+  template <class F>
+  void resolve_optional(F& fn, const char* symbol) noexcept {
+    try {
+      resolve(fn, symbol);
+    } catch (const DeviceError&) {
+      fn = nullptr;
+    }
+  }
+
   template <class F>
   void resolve(F& fn, const char* symbol) {
     void* p = nullptr;
@@ -83,6 +93,8 @@ class Loader {
     resolve(api_.mem_unmap, "cuMemUnmap");
     resolve(api_.mem_set_access, "cuMemSetAccess");
     resolve(api_.mem_get_allocation_granularity, "cuMemGetAllocationGranularity");
+    resolve_optional(api_.stream_write_value64, "cuStreamWriteValue64");
+    resolve_optional(api_.stream_wait_value64, "cuStreamWaitValue64");
     const CUresult status = api_.init(0);
     if (status != CUDA_SUCCESS) {
       throw DeviceError(unavailable("cuInit failed with " + describe_code(status)),

@@ -1,4 +1,5 @@
-// driver_api.h (private): the few CUDA driver-API entry points the VMM backend needs, loaded at
+// driver_api.h (private): the few CUDA driver-API entry points the VMM backend (and the event
+// pool's host fences) need, loaded at
 // run time so that nothing links libcuda (see allocator/cuda/CMakeLists.txt).
 //
 // Note [Loading the driver API]
@@ -36,6 +37,12 @@ struct DriverApi {
                              size_t count) = nullptr;
   CUresult (*mem_get_allocation_granularity)(size_t* granularity, const CUmemAllocationProp* prop,
                                              CUmemAllocationGranularity_flags option) = nullptr;
+  // Optional (nullptr when the driver lacks them): stream memory operations, for host fences
+  // (Note [Host fences instead of events], event_pool.h).
+  CUresult (*stream_write_value64)(CUstream stream, CUdeviceptr addr, cuuint64_t value,
+                                   unsigned int flags) = nullptr;
+  CUresult (*stream_wait_value64)(CUstream stream, CUdeviceptr addr, cuuint64_t value,
+                                  unsigned int flags) = nullptr;
 };
 
 /// The loaded table (cuInit already called). Throws DeviceError("CUDA driver API not available:

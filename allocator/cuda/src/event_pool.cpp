@@ -3,12 +3,33 @@
 #include <cachealloc/cuda/streams.h>
 
 #include "cuda_check.h"
+#include "driver_api.h"
 
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
 #include <exception>
+#include <string_view>
+#include <thread>
 
 namespace cachealloc {
 
 CudaEventPool::~CudaEventPool() {
+  if (counters_ != nullptr) {
+    try {
+      CudaDeviceGuard guard(device_);
+      bool outstanding = false;
+      for (std::size_t slot = 0; slot < issued_.size(); ++slot) {
+        outstanding = outstanding || __atomic_load_n(&counters_[slot], __ATOMIC_ACQUIRE) < issued_[slot];
+      }
+      if (outstanding) {  // the GPU must not write into freed host memory
+        CACHEALLOC_CUDA_WARN(cudaDeviceSynchronize());
+      }
+      CACHEALLOC_CUDA_WARN(cudaFreeHost(counters_));
+    } catch (const std::exception& e) {
+      cuda_detail::warn_exception("cudaFreeHost: device guard", e);
+    }
+  }
   if (all_.empty()) {
     return;
   }
@@ -22,7 +43,112 @@ CudaEventPool::~CudaEventPool() {
   }
 }
 
+bool CudaEventPool::init_fences() noexcept {
+  if (const char* v = std::getenv("CACHEALLOC_HOST_FENCES"); v != nullptr && std::string_view(v) == "0") {
+    return false;
+  }
+  try {
+    const cuda_detail::DriverApi& api = cuda_detail::driver_api();
+    if (api.stream_write_value64 == nullptr) {
+      return false;
+    }
+    CUdevice dev = 0;
+    int supported = 0;
+    if (api.device_get(&dev, device_) != CUDA_SUCCESS ||
+        api.device_get_attribute(&supported, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, dev) !=
+            CUDA_SUCCESS ||
+        supported == 0) {
+      return false;
+    }
+    CudaDeviceGuard guard(device_);
+    void* host = nullptr;
+    if (cudaHostAlloc(&host, kFenceSlots * sizeof(std::uint64_t), cudaHostAllocMapped | cudaHostAllocPortable) !=
+        cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    void* device = nullptr;
+    if (cudaHostGetDevicePointer(&device, host, 0) != cudaSuccess) {
+      (void)cudaGetLastError();
+      CACHEALLOC_CUDA_WARN(cudaFreeHost(host));
+      return false;
+    }
+    std::memset(host, 0, kFenceSlots * sizeof(std::uint64_t));
+    fence_streams_.reserve(kFenceSlots);
+    issued_.reserve(kFenceSlots);
+    counters_ = static_cast<std::uint64_t*>(host);
+    counters_device_ = reinterpret_cast<std::uintptr_t>(device);
+    return true;
+  } catch (...) {  // no driver API, or out of host memory: events then
+    return false;
+  }
+}
+
+std::size_t CudaEventPool::fence_slot(StreamId stream) {
+  for (std::size_t slot = 0; slot < fence_streams_.size(); ++slot) {
+    if (fence_streams_[slot] == stream) {
+      return slot;
+    }
+  }
+  if (fence_streams_.size() == kFenceSlots) {
+    return kFenceSlots;
+  }
+  fence_streams_.push_back(stream);  // capacity reserved in init_fences: cannot throw
+  issued_.push_back(0);
+  return fence_streams_.size() - 1;
+}
+
+bool CudaEventPool::fence_reached(EventId id) const noexcept {
+  const std::size_t slot = (id & ~kFenceBit) >> kSlotShift;
+  return __atomic_load_n(&counters_[slot], __ATOMIC_ACQUIRE) >= (id & kSequenceMask);
+}
+
+void CudaEventPool::wait_fence(EventId id) {
+  for (std::uint64_t round = 0;; ++round) {
+    if (fence_reached(id)) {
+      return;
+    }
+    if (round < 64) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+    if (round % 1024 == 1023) {
+      // A device that failed never writes the counter: any runtime call reports the error.
+      CudaDeviceGuard guard(device_);
+      std::size_t free_bytes = 0;
+      std::size_t total_bytes = 0;
+      CACHEALLOC_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    }
+  }
+}
+
 EventId CudaEventPool::record(StreamId stream) {
+  if (fences_ == FenceMode::unknown) {
+    fences_ = init_fences() ? FenceMode::on : FenceMode::off;
+  }
+  if (fences_ == FenceMode::on) {
+    const std::size_t slot = fence_slot(stream);
+    if (slot < kFenceSlots) {
+      CudaDeviceGuard guard(device_);  // the legacy default stream (0) is per device
+      const std::uint64_t sequence = issued_[slot] + 1;
+      const CUresult status = cuda_detail::driver_api().stream_write_value64(
+          reinterpret_cast<CUstream>(to_cuda_stream(stream)), counters_device_ + slot * sizeof(std::uint64_t),
+          sequence, CU_STREAM_WRITE_VALUE_DEFAULT);
+      if (status == CUDA_SUCCESS) {
+        issued_[slot] = sequence;
+        return kFenceBit | (EventId{slot} << kSlotShift) | sequence;
+      }
+      if (status != CUDA_ERROR_NOT_SUPPORTED) {
+        cuda_detail::throw_driver_error(status, "cuStreamWriteValue64", __FILE__, __LINE__);
+      }
+      fences_ = FenceMode::off;  // not on this device after all: events from now on
+    }
+  }
+  return record_event(stream);
+}
+
+EventId CudaEventPool::record_event(StreamId stream) {
   // The legacy default stream (0) is per device: record under the pool's device.
   CudaDeviceGuard guard(device_);
   cudaEvent_t ev = nullptr;
@@ -48,6 +174,9 @@ EventId CudaEventPool::record(StreamId stream) {
 }
 
 bool CudaEventPool::query(EventId event) {
+  if (is_fence(event)) {
+    return fence_reached(event);
+  }
   const cudaError_t status = cudaEventQuery(to_event(event));
   if (status == cudaSuccess) {
     return true;
@@ -61,11 +190,15 @@ bool CudaEventPool::query(EventId event) {
 }
 
 void CudaEventPool::synchronize(EventId event) {
+  if (is_fence(event)) {
+    wait_fence(event);
+    return;
+  }
   CACHEALLOC_CUDA_CHECK(cudaEventSynchronize(to_event(event)));
 }
 
 void CudaEventPool::give_back(EventId event) noexcept {
-  if (event == 0) {
+  if (event == 0 || is_fence(event)) {
     return;
   }
   // idle_ has capacity for every event ever created (reserved in record()).

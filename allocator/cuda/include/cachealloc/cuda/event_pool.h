@@ -8,11 +8,28 @@
 // EventId (the cudaEvent_t's address), and returned to an idle list by give_back(); they are
 // destroyed only with the pool. The pool never shrinks: its size is the peak number of events
 // in flight, typically a few dozen.
+//
+// Note [Host fences instead of events]
+// A freed block that another stream used (record_stream) is polled at the next allocations
+// until that stream finished its work: one cudaEventQuery per busy stream per allocation
+// (Note [One query per busy stream]). In a two-stream input pipeline something is parked nearly
+// all the time, and on the H200 those queries were ~10% of cachealloc:async's time per step
+// (event_poll_interval:16 took it from 187 to 170 us). So where the device supports 64-bit
+// stream memory operations, record() enqueues cuStreamWriteValue64 of the stream's next
+// sequence number into a pinned, mapped host counter for that stream instead of recording an
+// event. The write runs after the work queued before it on the stream, like an event
+// completing; query() is then a load of the counter (no driver call), synchronize() waits for
+// the counter (checking the device for errors now and then), give_back() has nothing to do.
+// A fence is an EventId with the top bit set: (1 << 63) | slot << 44 | sequence. Counters
+// exist for the first kFenceSlots streams; later streams, devices without stream memory
+// operations, a failed host allocation, or CACHEALLOC_HOST_FENCES=0 use events as before.
+// make_stream_wait (cudaMemPool dependencies) needs a real event: record_event() gives one.
 #pragma once
 
 #include <cachealloc/types.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 #include <cuda_runtime_api.h>
@@ -28,8 +45,11 @@ class CudaEventPool {
   CudaEventPool(const CudaEventPool&) = delete;
   CudaEventPool& operator=(const CudaEventPool&) = delete;
 
-  /// An idle (or new) event recorded on `stream`. Throws DeviceError.
+  /// A host fence on `stream` (Note [Host fences instead of events]), or where fences are not
+  /// available an idle (or new) event recorded on it. Throws DeviceError.
   [[nodiscard]] EventId record(StreamId stream);
+  /// Always a CUDA event (for cudaStreamWaitEvent). Throws DeviceError.
+  [[nodiscard]] EventId record_event(StreamId stream);
   /// True when the work before the event finished (cudaEventQuery). Throws DeviceError.
   [[nodiscard]] bool query(EventId event);
   /// Blocks until the event completed (cudaEventSynchronize). Throws DeviceError.
@@ -37,6 +57,11 @@ class CudaEventPool {
   /// Makes the event available again. The event need not have completed: re-recording an
   /// event only changes what later queries see, never work already queued.
   void give_back(EventId event) noexcept;
+
+  /// True for an EventId that is a host fence.
+  [[nodiscard]] static bool is_fence(EventId id) noexcept { return (id & kFenceBit) != 0; }
+  /// Whether record() hands out host fences (decided at its first call).
+  [[nodiscard]] bool fences_enabled() const noexcept { return fences_ == FenceMode::on; }
 
   /// Events created so far (live in the pool, idle or handed out).
   [[nodiscard]] std::size_t created() const noexcept { return all_.size(); }
@@ -51,9 +76,33 @@ class CudaEventPool {
   }
 
  private:
+  static constexpr EventId kFenceBit = EventId{1} << 63;
+  static constexpr unsigned kSlotShift = 44;
+  static constexpr EventId kSequenceMask = (EventId{1} << kSlotShift) - 1;
+  static constexpr std::size_t kFenceSlots = 256;
+  enum class FenceMode : unsigned char { unknown, on, off };
+
+  bool init_fences() noexcept;
+  /// The counter slot of `stream`, adding one; kFenceSlots when all are taken.
+  std::size_t fence_slot(StreamId stream);
+  [[nodiscard]] bool fence_reached(EventId id) const noexcept;
+  void wait_fence(EventId id);
+
   int device_;
   std::vector<cudaEvent_t> all_;
   std::vector<cudaEvent_t> idle_;
+  FenceMode fences_ = FenceMode::unknown;
+  std::uint64_t* counters_ = nullptr;     // kFenceSlots, pinned and mapped; written by the GPU
+  std::uint64_t counters_device_ = 0;     // their device address (CUdeviceptr)
+  std::vector<StreamId> fence_streams_;   // slot -> stream
+  std::vector<std::uint64_t> issued_;     // slot -> last sequence enqueued
+
+ public:
+  /// The device address of `id`'s counter and the sequence it waits for (for cuStreamWaitValue64).
+  [[nodiscard]] std::uint64_t fence_address(EventId id) const noexcept {
+    return counters_device_ + ((id & ~kFenceBit) >> kSlotShift) * sizeof(std::uint64_t);
+  }
+  [[nodiscard]] static std::uint64_t fence_sequence(EventId id) noexcept { return id & kSequenceMask; }
 };
 
 }  // namespace cachealloc
