@@ -245,6 +245,12 @@ void DefragEngine::process_deferred() noexcept {
   std::vector<Node*> pairs;
   pairs.swap(deferred_);  // merge_around() may defer pairs again
   for (Node* n : pairs) {
+    n->deferred = false;
+  }
+  for (Node* n : pairs) {
+    if (n->deferred) {
+      continue;  // a second entry of a node deferred again in this pass
+    }
     // n may have been recycled and reused since: any pair of mapped holes is fine to look at.
     if (n->state == State::mapped_free && n->next != nullptr &&
         n->next->state == State::mapped_free) {

@@ -104,6 +104,16 @@ void DefragEngine::check_invariants() const {
     }
   }
   CACHEALLOC_CHECK_INVARIANT(age_nodes == in_age, "age list length disagrees with its members");
+  // A node marked deferred is listed (the mark keeps it from being listed twice).
+  std::size_t flagged = 0;
+  for (const auto& a : arenas_) {
+    for (const Node* n = a->head; n != nullptr; n = n->next) {
+      flagged += n->deferred ? 1 : 0;
+      CACHEALLOC_CHECK_INVARIANT(!n->deferred || std::find(deferred_.begin(), deferred_.end(), n) != deferred_.end(),
+                                 "a node marked deferred is not in the deferred list");
+    }
+  }
+  CACHEALLOC_CHECK_INVARIANT(flagged <= deferred_.size(), "more nodes marked deferred than listed");
   for (const Index* index : {&mapped_, &unmapped_}) {
     try {
       index->check();

@@ -78,6 +78,7 @@ struct Node {
   State state = State::dead;
   bool indexed = false;
   bool in_age = false;
+  bool deferred = false;  // listed in deferred_ (a stale entry of a recycled node may remain)
   [[nodiscard]] std::uintptr_t end() const noexcept { return addr + size; }
   /// Back to a fresh node's values, field by field (`key` matters only while indexed).
   /// `*this = Node{}` zeroed a temporary with `rep stos` and copied it with loads that straddled
@@ -93,6 +94,7 @@ struct Node {
     state = State::dead;
     indexed = false;
     in_age = false;
+    deferred = false;
   }
 };
 
@@ -189,9 +191,16 @@ class DefragEngine {
   void update_completed(StreamState& s) const noexcept;
   void process_deferred() noexcept;
   /// Remembers an unmerged pair of mapped holes (`left` and its right neighbour).
+  /// Remembers an unmerged pair once: a node already listed is not listed again (every free
+  /// next to the same pending neighbour used to add an entry, so the list grew by one per free
+  /// and each pass re-deferred them all).
   void defer(Node* left) noexcept {
+    if (left->deferred) {
+      return;
+    }
     try {
       deferred_.push_back(left);
+      left->deferred = true;
     } catch (...) {  // out of host memory: the pair merges at release_cached() instead
     }
   }

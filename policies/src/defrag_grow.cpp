@@ -544,6 +544,9 @@ std::size_t DefragEngine::release_cached() {
       }
     }
   }
+  for (Node* n : deferred_) {
+    n->deferred = false;
+  }
   deferred_.clear();
   std::size_t released = 0;
   scratch_.clear();

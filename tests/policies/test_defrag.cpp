@@ -798,6 +798,42 @@ TEST_CASE("defrag regression: holes kept apart by two busy streams merge once bo
   }
 }
 
+TEST_CASE("defrag regression: a stream's free next to another stream's hole is deferred once",
+          "[defrag][regression]") {
+  // Each free of a block carved next to another stream's hole deferred the pair again, so the
+  // list grew by one entry per free: past kDeferredLimit every allocation closed an epoch (an
+  // event) and walked the whole list (45-60 us per pair in threads/ on the H200).
+  SimOptions o;
+  o.auto_complete_events = true;
+  auto backend = std::make_unique<SimBackend>(o);
+  SimBackend* sim = backend.get();
+  Config config;
+  CachingAllocator<DefragPolicy> a(std::move(backend), config);
+  std::mt19937_64 rng(1);
+  auto size = [&] { return std::size_t{512} << (rng() % 17); };
+  std::vector<void*> live;
+  for (int i = 0; i < 300; ++i) {
+    live.push_back(a.allocate(size(), 0));
+  }
+  for (int i = 0; i < 20000; ++i) {
+    const std::size_t k = rng() % live.size();
+    a.deallocate(live[k]);
+    live[k] = a.allocate(size(), 0);
+  }
+  for (void* p : live) {
+    a.deallocate(p);
+  }
+  for (int round = 0; round < 3; ++round) {
+    const std::uint64_t before = sim->device_calls();
+    for (int i = 0; i < 8000; ++i) {
+      a.deallocate(a.allocate(4096, 11));
+    }
+    // One epoch (an event and its query) per kEpochFrees frees: 2000 calls, not 16000.
+    CHECK(sim->device_calls() - before <= 2100);
+    a.check_invariants();
+  }
+}
+
 // ============================================================================ adversarial patterns
 
 namespace {
