@@ -571,7 +571,12 @@ class CachingAllocator final : public DeviceAllocator {
   }
 
   void sync_reserved() noexcept {
-    stats_.reserved_bytes.set(static_cast<std::int64_t>(policy_.reserved_bytes()));
+    // Most calls change nothing: leave stats_'s line alone then (Note [Hot fields first]).
+    const std::size_t reserved = policy_.reserved_bytes();
+    if (reserved != reserved_seen_) {
+      reserved_seen_ = reserved;
+      stats_.reserved_bytes.set(static_cast<std::int64_t>(reserved));
+    }
   }
 
   /// The whole statistics: stats_'s cold figures plus the tallies (caller holds mutex_).
@@ -617,14 +622,15 @@ class CachingAllocator final : public DeviceAllocator {
 
   std::string unknown_pointer_message(const void* ptr, std::string_view what) const;
 
+  // Note [Hot fields first]: inside a training step every allocator call finds the CPU caches
+  // cold (kernel launches and autograd ran in between), so what one call touches should sit on
+  // few cache lines: the lock, the map's header, the tallies, the observer, in that order, then
+  // the backend and the policy, and the cold statistics last.
   mutable SpinMutex mutex_;  // Note [The front end's lock], spin_mutex.h
-  std::unique_ptr<DeviceBackend> backend_;
-  P policy_;
-  PointerMap<Entry> map_;
-  std::vector<Parked> pending_;
   std::uint32_t poll_interval_ = kDefaultPollInterval;  // Note [Polling parked frees]
   std::uint32_t allocs_since_poll_ = 0;
-  Stats stats_;  // the cold figures; the five below come from snapshot()
+  PointerMap<Entry> map_;
+  std::vector<Parked> pending_;
   Tally allocated_;
   Tally requested_;
   Tally allocation_;
@@ -634,8 +640,12 @@ class CachingAllocator final : public DeviceAllocator {
   std::int64_t active_peak_count_ = 0;
   std::int64_t active_freed_bytes_ = 0;  // completed frees since the last reset_accumulated
   std::int64_t active_freed_count_ = 0;
-  double fraction_ = 1.0;
+  std::size_t reserved_seen_ = 0;  // the policy's reserved bytes when stats_ last took them
   AllocatorObserver observer_;
+  std::unique_ptr<DeviceBackend> backend_;
+  P policy_;
+  Stats stats_;  // the cold figures; the five above come from snapshot()
+  double fraction_ = 1.0;
 };
 
 std::string unknown_pointer_text(const void* ptr, std::string_view what, int device,
