@@ -232,6 +232,18 @@ void SimStreamPool::release_free_chunks(std::size_t keep_bytes) noexcept {
   }
 }
 
+void SimStreamPool::wait_for_frees(StreamId stream) {
+  // As the CUDA pool does it: an event on the stream, waited for (counted as device calls).
+  const EventId event = sim_.record_event(stream);
+  try {
+    sim_.synchronize_event(event);
+  } catch (...) {
+    sim_.destroy_event(event);
+    throw;
+  }
+  sim_.destroy_event(event);
+}
+
 void SimStreamPool::trim_to(std::size_t keep_bytes) { release_free_chunks(keep_bytes); }
 
 void SimStreamPool::reset_high_watermarks() {

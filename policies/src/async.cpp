@@ -345,16 +345,9 @@ std::size_t AsyncPolicy::release_cached() {
   drain_cache();
   release_empty_slabs();
   // The pool releases only memory whose frees completed: wait for each stream we freed on (one
-  // event each, never a device-wide synchronisation).
+  // event each, never a device-wide synchronisation), visibly to the pool.
   while (!freed_on_.empty()) {
-    const EventId event = backend_.record_event(freed_on_.back());
-    try {
-      backend_.synchronize_event(event);
-    } catch (...) {
-      backend_.destroy_event(event);
-      throw;
-    }
-    backend_.destroy_event(event);
+    pool_.wait_for_frees(freed_on_.back());
     freed_on_.pop_back();
   }
   const std::size_t before = pool_.reserved_current();

@@ -12,6 +12,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <string>
+#include <thread>
 #include <vector>
 
 namespace cachealloc::gpu_test {
@@ -118,6 +120,24 @@ TEST_CASE("cuda_runtime: cudaMalloc, out of memory, pooled events", "[gpu][runti
       backend.synchronize_event(e);
       CHECK(backend.query_event(e));
       backend.destroy_event(e);
+    }
+    // From a thread that made no runtime call yet, as PyTorch's autograd threads do: the driver
+    // API needs the context bound first (CUDA_ERROR_INVALID_CONTEXT in an e2e run otherwise).
+    EventId from_thread = 0;
+    std::string thread_error;
+    std::thread t([&] {
+      try {
+        from_thread = backend.record_event(s.id());
+      } catch (const std::exception& e) {
+        thread_error = e.what();
+      }
+    });
+    t.join();
+    CHECK(thread_error.empty());
+    if (from_thread != 0) {
+      backend.synchronize_event(from_thread);
+      CHECK(backend.query_event(from_thread));
+      backend.destroy_event(from_thread);
     }
     if (backend.event_pool().fences_enabled()) {
       CHECK(backend.event_pool().created() == 0);

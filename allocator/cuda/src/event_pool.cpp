@@ -131,8 +131,16 @@ EventId CudaEventPool::record(StreamId stream) {
     const std::size_t slot = fence_slot(stream);
     if (slot < kFenceSlots) {
       CudaDeviceGuard guard(device_);  // the legacy default stream (0) is per device
+      const cuda_detail::DriverApi& api = cuda_detail::driver_api();
+      // The runtime binds its context to a thread lazily, at that thread's first runtime call
+      // that needs one; the driver API needs it bound already. PyTorch's autograd threads
+      // reached us with none (CUDA_ERROR_INVALID_CONTEXT on the H200): bind it then.
+      CUcontext current = nullptr;
+      if (api.ctx_get_current(&current) != CUDA_SUCCESS || current == nullptr) {
+        CACHEALLOC_CUDA_CHECK(cudaSetDevice(device_));
+      }
       const std::uint64_t sequence = issued_[slot] + 1;
-      const CUresult status = cuda_detail::driver_api().stream_write_value64(
+      const CUresult status = api.stream_write_value64(
           reinterpret_cast<CUstream>(to_cuda_stream(stream)), counters_device_ + slot * sizeof(std::uint64_t),
           sequence, CU_STREAM_WRITE_VALUE_DEFAULT);
       if (status == CUDA_SUCCESS) {

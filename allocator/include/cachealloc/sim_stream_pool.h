@@ -63,6 +63,7 @@ class SimStreamPool final : public StreamOrderedMemory {
   [[nodiscard]] void* allocate_async(std::size_t bytes, StreamId stream) override;
   void free_async(void* ptr, StreamId stream) noexcept override;
   void make_stream_wait(StreamId waiter, EventId event) override;
+  void wait_for_frees(StreamId stream) override;
   void trim_to(std::size_t keep_bytes) override;
 
   [[nodiscard]] std::size_t reserved_current() const override { return reserved_; }

@@ -10,7 +10,8 @@
 //      (StreamOrderedOptions) allow it. free_async never throws.
 //   2. make_stream_wait: work queued on `waiter` from now on waits for `event` (an event of the
 //      same backend, from DeviceBackend::record_event); the pool may follow that dependency.
-//   3. trim_to: gives unused reservation back to the device until at most `keep_bytes` stay.
+//   3. trim_to: gives unused reservation back to the device until at most `keep_bytes` stay;
+//      wait_for_frees: waits, visibly to the pool, until a stream's frees completed.
 //   4. The four pool attributes (reserved/used, current/high) and reset_high_watermarks().
 //
 // Note [Why a second interface and not more DeviceBackend methods]
@@ -56,6 +57,10 @@ class StreamOrderedMemory {
   virtual void free_async(void* ptr, StreamId stream) noexcept = 0;
   /// Work queued on `waiter` from now on waits for `event` (cudaStreamWaitEvent).
   virtual void make_stream_wait(StreamId waiter, EventId event) = 0;
+  /// Returns once the frees queued on `stream` so far completed, in a way the pool sees (a
+  /// CUDA event and cudaEventSynchronize: a host fence would not tell the driver, Note [Host
+  /// fences instead of events]), so that trim_to can give their memory back.
+  virtual void wait_for_frees(StreamId stream) = 0;
   /// Releases unused reservation until at most `keep_bytes` stay reserved (cudaMemPoolTrimTo).
   /// Memory whose free has not been seen to complete counts as used.
   virtual void trim_to(std::size_t keep_bytes) = 0;

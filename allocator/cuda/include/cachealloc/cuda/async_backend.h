@@ -71,6 +71,7 @@ class CudaAsyncBackend final : public DeviceBackend, public StreamOrderedMemory 
   void free_async(void* ptr, StreamId stream) noexcept override;
   /// Work queued on `waiter` from now on waits for `event` (cudaStreamWaitEvent).
   void make_stream_wait(StreamId waiter, EventId event) override;
+  void wait_for_frees(StreamId stream) override;
   /// Releases unused pool memory until at most `keep_bytes` stay reserved (cudaMemPoolTrimTo).
   /// Memory freed with free_async counts as unused once the free's stream reached it.
   void trim_to(std::size_t keep_bytes) override;
