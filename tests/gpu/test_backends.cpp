@@ -88,10 +88,12 @@ TEST_CASE("cuda_runtime: cudaMalloc, out of memory, pooled events", "[gpu][runti
     backend.release(p, 8 * kMiB);
   }
 
-  SECTION("host fences: pending while the stream is busy, reached after; no CUDA event at all") {
+  SECTION("host fences (CACHEALLOC_HOST_FENCES=1): pending while the stream is busy, reached after; no CUDA event") {
     // Note [Host fences instead of events]: H100/H200 support 64-bit stream memory operations.
+    ::setenv("CACHEALLOC_HOST_FENCES", "1", 1);  // read at the backend's first record
     GPU_REQUIRE_OK(launch_spin(cycles_for_ms(20), s.get()));
     const EventId ev = backend.record_event(s.id());
+    ::unsetenv("CACHEALLOC_HOST_FENCES");
     if (is_hopper_h100_or_h200(test_device())) {
       REQUIRE(backend.event_pool().fences_enabled());
     }
@@ -144,12 +146,10 @@ TEST_CASE("cuda_runtime: cudaMalloc, out of memory, pooled events", "[gpu][runti
     }
   }
 
-  SECTION("events (CACHEALLOC_HOST_FENCES=0): pending while the stream is busy, done after; reused from the pool") {
-    ::setenv("CACHEALLOC_HOST_FENCES", "0", 1);
+  SECTION("events (the default): pending while the stream is busy, done after; reused from the pool") {
     CudaRuntimeBackend events_only(test_device());
     GPU_REQUIRE_OK(launch_spin(cycles_for_ms(20), s.get()));
     const EventId ev = events_only.record_event(s.id());
-    ::unsetenv("CACHEALLOC_HOST_FENCES");
     CHECK_FALSE(CudaEventPool::is_fence(ev));
     CHECK_FALSE(events_only.event_pool().fences_enabled());
     CHECK_FALSE(events_only.query_event(ev));

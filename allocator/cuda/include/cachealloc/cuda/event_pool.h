@@ -22,8 +22,15 @@
 // the counter (checking the device for errors now and then), give_back() has nothing to do.
 // A fence is an EventId with the top bit set: (1 << 63) | slot << 44 | sequence. Counters
 // exist for the first kFenceSlots streams; later streams, devices without stream memory
-// operations, a failed host allocation, or CACHEALLOC_HOST_FENCES=0 use events as before.
+// operations and a failed host allocation use events as before.
 // make_stream_wait (cudaMemPool dependencies) needs a real event: record_event() gives one.
+//
+// Fences are opt-in (CACHEALLOC_HOST_FENCES=1). Their first run on the H200 found two defects:
+// the driver call failed with CUDA_ERROR_INVALID_CONTEXT on PyTorch's autograd threads (the
+// runtime binds its context to a thread lazily; record() now binds it), and cudaMemPoolTrimTo
+// does not see a fence, so async's empty_cache kept memory (its release now waits with real
+// events: StreamOrderedMemory::wait_for_frees). Both fixes have tests, but they have not run
+// on a GPU yet; until they have, the default stays on events, which every earlier GPU run used.
 #pragma once
 
 #include <cachealloc/types.h>
