@@ -250,18 +250,6 @@ class OrderedIndex {
     return true;
   }
 
-  /// Replaces the key at `it` by `key`, which must sort between its neighbours; in place when the
-  /// key is neither first nor last in its leaf (no fence can depend on it), else erase + insert.
-  void replace(iterator it, const K& key) {
-    Leaf* leaf = it.leaf_;
-    if (it.i_ > 0 && it.i_ + 1 < leaf->count) {
-      leaf->keys[it.i_] = key;
-      return;
-    }
-    erase(it);
-    insert(key);
-  }
-
   /// Removes every key; the nodes go back to the free lists for reuse.
   void clear() {
     free_leaves_ = nullptr;
@@ -278,18 +266,6 @@ class OrderedIndex {
     size_ = 0;
     Leaf* root = new_leaf();  // allocates only the first time
     root_ = head_ = tail_ = root;
-  }
-
-  /// Makes the next `inserts` inserts allocation-free (each may split one node per level and
-  /// add a root).
-  void reserve(std::size_t inserts) {
-    const auto per_insert = static_cast<std::size_t>(height_) + 1;
-    while (free_leaf_count_ < inserts) {
-      push_leaf(make_leaf());
-    }
-    while (free_inner_count_ < inserts * per_insert) {
-      push_inner(make_inner());
-    }
   }
 
   /// Makes every insert allocation-free until size() reaches `keys`. A leaf splits only when
