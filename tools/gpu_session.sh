@@ -15,6 +15,9 @@
 #                                      # alone on the machine, then an e2e subset (E2E_ARGS)
 #   bash tools/gpu_session.sh check    # pytest (plugin, async stats, adapter), OOM recovery per
 #                                      # policy, racecheck: the gpu stage without its benchmarks
+#   bash tools/gpu_session.sh probe    # the GPU suite, PYTEST_SELECT (if set) under PROBE_ENV, the
+#                                      # e2e workloads recorded as snapshots ($OUT/traces), then an
+#                                      # e2e subset (E2E_ARGS, E2E_REPS)
 #   bash tools/gpu_session.sh fuzz  # the three 10M-execution fuzz campaigns side by side (carry
 #                                   # fuzz-bundle), and the e2e workloads recorded as snapshots
 #                                   # in $OUT/traces (tools/scripts/record_e2e_traces.py) (~9 min);
@@ -44,7 +47,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 stage=${1:-}
-case $stage in gpu | e2e | final | fuzz | closing | last | bench | check) ;; *) echo "usage: $0 gpu|e2e|final|fuzz|closing|last|bench|check" >&2; exit 2 ;; esac
+case $stage in gpu | e2e | final | fuzz | closing | last | bench | check | probe) ;; *) echo "usage: $0 gpu|e2e|final|fuzz|closing|last|bench|check|probe" >&2; exit 2 ;; esac
 
 export OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -314,6 +317,19 @@ elif [[ $stage == bench ]]; then
   step gpu_suite_quick 150 "$SUITE_FIGURE" gpu_suite_quick
   step gpu_bench 300 "$BENCH_FIGURE" gpu_bench
   step e2e 600 "$E2E_FIGURE" e2e
+elif [[ $stage == probe ]]; then
+  # A change that needs the GPU's word and fresh data: the GPU suite, one pytest file under extra
+  # environment (PROBE_ENV="NAME=VALUE ..."), the e2e workloads recorded as snapshots for
+  # replays here, then an e2e subset.
+  step gpu_suite_quick 150 "$SUITE_FIGURE" gpu_suite_quick
+  if [[ -n ${PYTEST_SELECT:-} ]]; then
+    step pytest 120 'grep -hE "[0-9]+ (passed|failed)" "$WORK"/pytest_*.log' "env ${PROBE_ENV:-} bash -c pytest_tools"
+  fi
+  if [[ ${RECORD_E2E:-1} != 0 ]]; then
+    step record_e2e_traces 150 'grep -E "^(gpt2|resnet50|pipeline):" "$L" | cut -c1-90' record_e2e_traces
+  fi
+  step e2e 600 "$E2E_FIGURE" e2e
+  tail -40 "$WORK/e2e.log"
 elif [[ $stage == fuzz ]]; then
   # Recording (GPU, one core) runs beside the campaigns (CPU): its timing does not matter.
   # RECORD_E2E=0 leaves it out (a campaign alone, on every core).

@@ -38,6 +38,8 @@ Configurations (--configs, comma separated):
                          it is missing, each run records the error and the others go on)
   ...+key:value+...      either of the two with more CACHEALLOC_CONF settings, e.g.
                          cachealloc:async+async_cache_mb:0 (CACHEALLOC_CONF=policy:async,async_cache_mb:0)
+  ...+env:NAME=VALUE     either of the two with an environment variable set, for switches that
+                         are not settings, e.g. cachealloc:async+env:CACHEALLOC_HOST_FENCES=1
   default: native, expandable, async and cachealloc:<p> for every registered policy.
 
 What is measured, the same way for every configuration, in the run's process:
@@ -161,11 +163,29 @@ def config_policy(name: str) -> Optional[str]:
     return name.split(":", 1)[1].split("+", 1)[0] if config_kind(name) in ("plugin", "full") else None
 
 
-def config_settings(name: str) -> list[str]:
-    """The extra CACHEALLOC_CONF entries of cachealloc:<p>+key:value+key:value."""
+def config_entries(name: str) -> list[str]:
+    """The +entries of cachealloc:<p>+key:value+env:NAME=VALUE..."""
     if config_kind(name) not in ("plugin", "full"):
         return []
     return [e for e in name.split(":", 1)[1].split("+")[1:] if e]
+
+
+def config_settings(name: str) -> list[str]:
+    """The extra CACHEALLOC_CONF entries of cachealloc:<p>+key:value+key:value."""
+    return [e for e in config_entries(name) if not e.startswith("env:")]
+
+
+def config_extra_env(name: str) -> dict[str, str]:
+    """The environment variables of cachealloc:<p>+env:NAME=VALUE entries (switches that are not
+    CACHEALLOC_CONF settings, e.g. env:CACHEALLOC_HOST_FENCES=1)."""
+    out = {}
+    for e in config_entries(name):
+        if e.startswith("env:"):
+            key, sep, value = e[4:].partition("=")
+            if not sep or not key.isidentifier():
+                raise ValueError(f"{name!r}: {e!r} is not env:NAME=VALUE")
+            out[key] = value
+    return out
 
 
 def config_env(name: str) -> dict[str, str]:
@@ -177,7 +197,7 @@ def config_env(name: str) -> dict[str, str]:
     if not policy:
         raise ValueError(f"{name!r}: cachealloc:<policy> needs a policy name")
     entries = [f"policy:{policy}"] + config_settings(name) + (["full:True"] if kind == "full" else [])
-    return {"CACHEALLOC_CONF": ",".join(entries)}
+    return {"CACHEALLOC_CONF": ",".join(entries), **config_extra_env(name)}
 
 
 def call_timer_path() -> Optional[str]:
