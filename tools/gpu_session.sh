@@ -16,8 +16,9 @@
 #   bash tools/gpu_session.sh check    # pytest (plugin, async stats, adapter), OOM recovery per
 #                                      # policy, racecheck: the gpu stage without its benchmarks
 #   bash tools/gpu_session.sh probe    # the GPU suite, PYTEST_SELECT (if set) under PROBE_ENV, the
-#                                      # e2e workloads recorded as snapshots ($OUT/traces), then an
-#                                      # e2e subset (E2E_ARGS, E2E_REPS)
+#                                      # GPU micro benchmarks matching MICRO_FILTER (if set), the e2e
+#                                      # workloads recorded as snapshots ($OUT/traces), then an e2e
+#                                      # subset (E2E_ARGS, E2E_REPS)
 #   bash tools/gpu_session.sh fuzz  # the three 10M-execution fuzz campaigns side by side (carry
 #                                   # fuzz-bundle), and the e2e workloads recorded as snapshots
 #                                   # in $OUT/traces (tools/scripts/record_e2e_traces.py) (~9 min);
@@ -324,6 +325,10 @@ elif [[ $stage == probe ]]; then
   step gpu_suite_quick 150 "$SUITE_FIGURE" gpu_suite_quick
   if [[ -n ${PYTEST_SELECT:-} ]]; then
     step pytest 120 'grep -hE "[0-9]+ (passed|failed)" "$WORK"/pytest_*.log' "env ${PROBE_ENV:-} bash -c pytest_tools"
+  fi
+  if [[ -n ${MICRO_FILTER:-} ]]; then
+    step micro_filter 120 'grep -E "^vmm_|^[a-z_]+/" "$L" | grep -i median | head -12' \
+      '"$B/cachealloc-micro-cuda" --benchmark_filter="$MICRO_FILTER" --summary-md="$OUT/micro_filter.md"'
   fi
   if [[ ${RECORD_E2E:-1} != 0 ]]; then
     step record_e2e_traces 150 'grep -E "^(gpt2|resnet50|pipeline):" "$L" | cut -c1-90' record_e2e_traces

@@ -219,6 +219,7 @@ struct Median {
   double ns;
 };
 std::vector<Median> g_medians;
+std::vector<std::pair<std::string, double>> g_vmm;  // vmm_* benchmarks: (name, ns)
 
 double to_ns(double t, benchmark::TimeUnit unit) {
   switch (unit) {
@@ -243,6 +244,10 @@ class CollectingReporter final : public benchmark::ConsoleReporter {
       }
       // "pair/<alloc>/512" -> family "pair/512", alloc "<alloc>"
       const std::string name = r.run_name.str();
+      if (name.starts_with("vmm_")) {  // not an allocator: a table of its own
+        g_vmm.emplace_back(name, to_ns(r.GetAdjustedRealTime(), r.time_unit));
+        continue;
+      }
       const auto a = name.find('/');
       const auto b = name.find('/', a + 1);
       if (a == std::string::npos) {
@@ -318,10 +323,80 @@ std::string report_ratios() {
       md += " - |\n";
     }
   }
+  if (!g_vmm.empty()) {
+    md += "\nCUDA virtual-memory calls through our backend (vmm_create/N: cuMemCreate + cuMemRelease of "
+          "one handle of N pages; vmm_map/N: cuMemMap + cuMemSetAccess + cuMemUnmap of it; "
+          "vmm_map_run/N: N one-page handles mapped as one run, one access call, one unmap)\n\n"
+          "| benchmark | us per iteration |\n|---|---:|\n";
+    for (const auto& [name, ns] : g_vmm) {
+      md += "| " + name + " | " + us(ns) + " |\n";
+    }
+  }
   return md;
 }
 
 }  // namespace
+
+// ---- the CUDA virtual-memory calls behind policy defrag ------------------------------------
+// What a growth or a move costs, by the size of the physical handle: cuMemCreate + cuMemRelease
+// of one handle of N pages (vmm_create/N), cuMemMap + cuMemSetAccess + cuMemUnmap of one handle
+// of N pages (vmm_map/N), and the same N pages as N one-page handles mapped as one run with one
+// access call (vmm_map_run/N: what moving N one-page chunks costs). Through our CUDA VMM
+// backend, as the policy calls it. Microseconds per iteration.
+VirtualMemory& vmm() {
+  static Config config;
+  static std::unique_ptr<DeviceBackend> backend = make_cuda_backend("virtual_memory", 0, config);
+  VirtualMemory* v = backend->virtual_memory();
+  if (v == nullptr) {
+    throw std::runtime_error("the virtual_memory backend has no VirtualMemory");
+  }
+  return *v;
+}
+
+void vmm_create(benchmark::State& state) {
+  VirtualMemory& v = vmm();
+  const std::size_t bytes = static_cast<std::size_t>(state.range(0)) * v.granularity();
+  for (auto _ : state) {
+    const PhysicalHandle h = v.create_physical(bytes);
+    if (h == 0) {
+      state.SkipWithError("cuMemCreate failed");
+      break;
+    }
+    v.release_physical(h, bytes);
+  }
+}
+
+void vmm_map(benchmark::State& state) {
+  VirtualMemory& v = vmm();
+  const std::size_t bytes = static_cast<std::size_t>(state.range(0)) * v.granularity();
+  const std::uintptr_t va = v.reserve_address(bytes);
+  const PhysicalHandle h = v.create_physical(bytes);
+  for (auto _ : state) {
+    v.map(va, bytes, h);
+    v.unmap(va, bytes);
+  }
+  v.release_physical(h, bytes);
+  v.free_address(va, bytes);
+}
+
+void vmm_map_run(benchmark::State& state) {
+  VirtualMemory& v = vmm();
+  const std::size_t pages = static_cast<std::size_t>(state.range(0));
+  const std::size_t page = v.granularity();
+  const std::uintptr_t va = v.reserve_address(pages * page);
+  std::vector<MapPiece> pieces;
+  for (std::size_t i = 0; i < pages; ++i) {
+    pieces.push_back(MapPiece{v.create_physical(page), page});
+  }
+  for (auto _ : state) {
+    v.map_run(va, pieces);
+    v.unmap(va, pages * page);
+  }
+  for (const MapPiece& p : pieces) {
+    v.release_physical(p.handle, page);
+  }
+  v.free_address(va, pages * page);
+}
 
 int main(int argc, char** argv) {
   bool smoke = false;
@@ -388,6 +463,15 @@ int main(int argc, char** argv) {
     for (const std::string& n : names) {
       auto* b = benchmark::RegisterBenchmark(("threads/" + n).c_str(), threads, n);
       b->ThreadRange(1, smoke ? 2 : kMaxThreads)->UseRealTime();
+      tune(b);
+    }
+
+    for (auto [name, fn] : {std::pair{"vmm_create", &vmm_create}, std::pair{"vmm_map", &vmm_map},
+                            std::pair{"vmm_map_run", &vmm_map_run}}) {
+      auto* b = benchmark::RegisterBenchmark(name, fn);
+      for (std::int64_t pages : {1, 4, 16, 64}) {
+        b->Arg(pages);
+      }
       tune(b);
     }
 
