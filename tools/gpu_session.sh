@@ -327,8 +327,8 @@ elif [[ $stage == probe ]]; then
     step pytest 120 'grep -hE "[0-9]+ (passed|failed)" "$WORK"/pytest_*.log' "env ${PROBE_ENV:-} bash -c pytest_tools"
   fi
   if [[ -n ${MICRO_FILTER:-} ]]; then
-    step micro_filter 120 'grep -E "^vmm_|^[a-z_]+/" "$L" | grep -i median | head -12' \
-      '"$B/cachealloc-micro-cuda" --benchmark_filter="$MICRO_FILTER" --summary-md="$OUT/micro_filter.md"'
+    step micro_filter 120 'grep -E "^\| vmm_" "$WORK/micro_filter.md" | tr -d " " | tr "\n" " "' \
+      '"$B/cachealloc-micro-cuda" --benchmark_filter="$MICRO_FILTER" --summary-md="$WORK/micro_filter.md"'
   fi
   if [[ ${RECORD_E2E:-1} != 0 ]]; then
     step record_e2e_traces 150 'grep -E "^(gpt2|resnet50|pipeline):" "$L" | cut -c1-90' record_e2e_traces
