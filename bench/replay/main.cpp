@@ -65,11 +65,13 @@ int main(int argc, char** argv) {
   app.add_option("--policy,-p", policies,
                  "policy to replay (repeatable; default: every registered policy; with --device cuda: every "
                  "policy that is not replay-only, then torch_native and cudaMallocAsync, which are "
-                 "also valid names there)");
+                 "also valid names there)")
+      ->allow_extra_args(false);  // one name per -p: `-p defrag trace.pickle` keeps the trace
   app.add_option("--conf,-c", confs,
                  "CACHEALLOC_CONF settings for a policy, as POLICY=KEY:VALUE,... e.g. "
                  "native=expandable_segments:True (repeatable; 'native' defaults to the settings "
-                 "recorded in the trace)");
+                 "recorded in the trace)")
+      ->allow_extra_args(false);
   app.add_option("--capacity", capacity_text,
                  "simulated device memory, e.g. 80GB or 143771MB (default: an H200, 143771MB; --device sim only)");
   app.add_option("--json", json_path, "write the results as JSON to this file");
