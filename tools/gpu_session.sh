@@ -361,7 +361,12 @@ elif [[ $stage == last ]]; then
   tail -30 "$WORK/e2e.log"
 elif [[ $stage == closing ]]; then
   # The GPU suite (plain) and memcheck on the record_stream tests, then the end-to-end run.
-  step gpu_suite_quick 150 "$SUITE_FIGURE" gpu_suite_quick
+  # CLOSING_MEMCHECK=full: the whole suite under memcheck instead (capped at 200 s).
+  if [[ ${CLOSING_MEMCHECK:-} == full ]]; then
+    step gpu_suite_memcheck 200 'grep -E "^gpu_suite:|^memcheck:|All tests passed|failed|ERROR SUMMARY" "$L" | head -5' gpu_suite_memcheck
+  else
+    step gpu_suite_quick 150 "$SUITE_FIGURE" gpu_suite_quick
+  fi
   step e2e 600 "$E2E_FIGURE" e2e
   tail -40 "$WORK/e2e.log"
 elif [[ $stage == final ]]; then

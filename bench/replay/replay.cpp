@@ -370,11 +370,12 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
 #ifdef CACHEALLOC_HAS_DEFRAG
   if (auto* a = dynamic_cast<CachingAllocator<DefragPolicy>*>(&alloc)) {
     const DefragCounters d = a->policy().counters();
-    char line[320];
+    char line[400];
     std::snprintf(line, sizeof line,
                   "pages created %llu in %llu chunks, moved %llu in %llu chunks (%llu unmap "
                   "batches), %llu allocations mapped pages, %llu stream waits, %.1f ms moving, "
-                  "slack %.3f (raised %llu times, %llu on time)",
+                  "slack %.3f (raised %llu times, %llu on time), %llu allocations from recent "
+                  "frees (%llu flushes)",
                   static_cast<unsigned long long>(d.pages_created),
                   static_cast<unsigned long long>(d.chunks_created),
                   static_cast<unsigned long long>(d.pages_moved),
@@ -384,7 +385,9 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
                   static_cast<unsigned long long>(d.stream_waits),
                   static_cast<double>(d.move_ns) / 1e6, d.slack,
                   static_cast<unsigned long long>(d.slack_raises),
-                  static_cast<unsigned long long>(d.budget_raises));
+                  static_cast<unsigned long long>(d.budget_raises),
+                  static_cast<unsigned long long>(d.recent_hits),
+                  static_cast<unsigned long long>(d.recent_flushes));
     r.detail = line;
   }
 #endif

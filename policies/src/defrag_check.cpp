@@ -15,6 +15,8 @@ namespace cachealloc::detail {
 void DefragEngine::check_invariants() const {
   std::size_t live = 0;
   std::size_t live_blocks = 0;
+  std::size_t kept = 0;  // Note [Recently freed small blocks in defrag]
+  std::size_t kept_blocks = 0;
   std::size_t mapped_nodes = 0;
   std::size_t unmapped_nodes = 0;
   std::size_t age_nodes = 0;
@@ -37,6 +39,13 @@ void DefragEngine::check_invariants() const {
           live += n->size;
           ++live_blocks;
           CACHEALLOC_CHECK_INVARIANT(!n->indexed && !n->in_age, "live block in a free index" + where());
+          break;
+        case State::cached:
+          kept += n->size;
+          ++kept_blocks;
+          CACHEALLOC_CHECK_INVARIANT(!n->indexed && !n->in_age, "kept block in a free index" + where());
+          CACHEALLOC_CHECK_INVARIANT(n->size <= recent_max_ && n->cls < streams_.size(),
+                                     "kept block too large or of an unknown stream" + where());
           break;
         case State::mapped_free: {
           ++mapped_nodes;
@@ -125,6 +134,26 @@ void DefragEngine::check_invariants() const {
   CACHEALLOC_CHECK_INVARIANT(unmapped_nodes == unmapped_.size(), "stale entries in the unmapped index");
   CACHEALLOC_CHECK_INVARIANT(live == live_bytes_ && live_blocks == live_blocks_,
                              "live bytes disagree with the blocks");
+  // Note [Recently freed small blocks in defrag]: every kept block is on its own stream's list
+  // for its size, once.
+  std::size_t listed = 0;
+  std::size_t listed_bytes = 0;
+  for (std::uint32_t cls = 0; cls < streams_.size(); ++cls) {
+    if (!streams_[cls].recent) {
+      continue;
+    }
+    for (std::size_t i = 0; i < kRecentSlots; ++i) {
+      for (const Node* n = streams_[cls].recent[i]; n != nullptr; n = n->age_next) {
+        CACHEALLOC_CHECK_INVARIANT(n->state == State::cached && n->cls == cls && n->size / kAlignment == i,
+                                   "a recent list holds a block that is not kept there");
+        CACHEALLOC_CHECK_INVARIANT(++listed <= kept_blocks, "a recent list is longer than the kept blocks");
+        listed_bytes += n->size;
+      }
+    }
+  }
+  CACHEALLOC_CHECK_INVARIANT(listed == kept_blocks && listed_bytes == kept && kept == recent_bytes_ &&
+                                 kept_blocks == recent_blocks_ && recent_bytes_ <= settings_.keep_small_bytes,
+                             "kept bytes disagree with the recent lists");
   CACHEALLOC_CHECK_INVARIANT(peak_live_ >= live_bytes_, "peak live bytes below the live bytes");
   // `handles` lists the handle of every mapped page in address order: each chunk must appear as
   // one run (mapped once, whole), and the chunks mapped must be every chunk held.
@@ -189,6 +218,8 @@ DefragBreakdown DefragEngine::breakdown() const {
       if (n->state == State::live) {
         out.live_bytes += n->size;
         ++out.live_blocks;
+      } else if (n->state == State::cached) {
+        out.kept_bytes += n->size;
       } else if (n->state == State::mapped_free) {
         const std::size_t whole = whole_pages(n) * page_;
         out.cached_free_bytes += whole;

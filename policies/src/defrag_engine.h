@@ -34,13 +34,17 @@ inline constexpr std::uint32_t kDenseWindows = 3;
 inline constexpr std::uint64_t kBudgetMinWindowNs = 25'000'000;
 /// ...or over this much time, whichever comes first.
 inline constexpr std::uint64_t kBudgetMaxWindowNs = 1'000'000'000;
-/// A growth creates about this many chunks (Note [Chunks], defrag_grow.cpp).
+/// A growth creates about this many chunks (Note [Chunks], defrag_grow.cpp)...
 inline constexpr std::size_t kChunksPerGrowth = 16;
+/// ...of at least this many pages each (or the whole growth when it is smaller).
+inline constexpr std::size_t kMinChunkPages = 2;
 /// With several streams, frees after which the next allocation closes the epoch.
 inline constexpr std::uint32_t kEpochFrees = 8;
 
 /// What a range is (Note [Ranges tile the address space]); `dead` marks a recycled node.
-enum class State : std::uint8_t { live, mapped_free, unmapped_free, dead };
+/// `cached`: a freed small block on its stream's recent list (Note [Recently freed small blocks
+/// in defrag], defrag.cpp): free for the front end, not merged, reused only at its exact size.
+enum class State : std::uint8_t { live, mapped_free, unmapped_free, dead, cached };
 
 struct Node;
 struct Arena;
@@ -126,7 +130,15 @@ struct StreamState {
   std::deque<Fence> fences;  // events recorded on the stream, oldest first
   std::uint64_t completed = 0;  // every epoch <= completed finished on this stream
   bool dirty = false;           // freed something during the open epoch
+  /// Note [Recently freed small blocks in defrag]: one LIFO per 512-byte size up to
+  /// kRecentMaxSize, linked through Node::age_next; allocated at the stream's first such free.
+  std::unique_ptr<Node*[]> recent;
 };
+
+/// Note [Recently freed small blocks in defrag] (defrag.cpp): the largest size kept (the bytes
+/// kept over all streams are the keep_small_mb setting).
+inline constexpr std::size_t kRecentMaxSize = std::size_t{1} << 20;
+inline constexpr std::size_t kRecentSlots = kRecentMaxSize / kAlignment + 1;
 
 class DefragEngine {
  public:
@@ -230,6 +242,15 @@ class DefragEngine {
   /// with neighbours usable by stream class `owner`, so that the result stays usable by it.
   Node* merge_around(Node* n, std::uint32_t owner, bool for_owner = false) noexcept;
 
+  // ---- recently freed small blocks (Note [Recently freed small blocks in defrag]) ----
+  /// The block of exactly `size` bytes stream class `cls` freed last, made live again; or null.
+  Node* take_recent(std::uint32_t cls, std::size_t size) noexcept;
+  /// Keeps freed block `n` (already counted free and stamped) on its stream's list; false when
+  /// it does not qualify or there is no room.
+  bool keep_recent(Node* n) noexcept;
+  /// Every kept block becomes a mapped hole, merged with its neighbours.
+  void flush_recent() noexcept;
+
   // ---- placement ----
   /// Best fit among the stream's own mapped holes.
   Node* find_own(std::uint32_t kind, std::uint32_t cls, std::size_t size) const;
@@ -314,6 +335,9 @@ class DefragEngine {
   std::size_t live_bytes_ = 0;
   std::size_t live_blocks_ = 0;
   std::size_t peak_live_ = 0;  // highest live_bytes_ so far (the slack's base)
+  std::size_t recent_max_ = 0;    // largest size kept on the recent lists (0: none)
+  std::size_t recent_bytes_ = 0;  // bytes on the recent lists
+  std::size_t recent_blocks_ = 0;
   std::uint64_t unsafe_unmaps_ = 0;
   DefragCounters counters_;
 };

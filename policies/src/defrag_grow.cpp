@@ -34,6 +34,23 @@
 //   kChunksPerGrowth = 8         gpt2 1.010 (1639), KV caches 1.022
 //   kChunksPerGrowth = 16        gpt2 1.010 (2620), random 8 streams and KV caches as per page
 //   one handle per page          gpt2 1.010 (11569)
+// Every device call costs about the same whatever the handle's size, up to a few pages (H200,
+// bench/results/gpu_bench_h200_2026-12-03_session7_vmm.md, cachealloc-micro-cuda vmm_*): cuMemCreate
+// + cuMemRelease 20 us for 1 page, 25 us for 4, 48 us for 16; cuMemMap + cuMemSetAccess +
+// cuMemUnmap 33 us for 1 page, 37 us for 4; but mapping 16 one-page handles as one run costs
+// 551 us (34 us per handle). Growths of fewer than 32 pages made one-page chunks, so moving or
+// creating them cost ~54 us per page. So chunks have at least kMinChunkPages pages (a smaller
+// growth is one chunk). Measured with the e2e recordings (bench/e2e, tools/scripts/
+// record_e2e_traces.py) and the shared traces, one-page minimum -> two (peak reserved / peak
+// requested; creates + maps):
+//   e2e pipeline   1.243 (739 + 1523) -> 1.243 (536 + 926); moves end 8 steps earlier
+//   e2e resnet50   1.013 (1203 + 1257) -> 1.014 (765 + 814)
+//   e2e gpt2       1.004 (1897 + 2027) -> 1.004 (1092 + 1181)
+//   mlp_two_streams 1.010 (894 + 1105) -> 1.010 (675 + 805); gpt2_train_varlen 1.010 (2620 + 3005)
+//   -> 1.010 (1813 + 2080); resnet50_train 1.008 -> 1.008 (1228 + 1246 -> 774 + 784)
+// A minimum of 4 pages halved the calls again but cost 1.016 on e2e resnet50, 1.010 on e2e gpt2
+// and 1.028 on the growing-KV-caches pattern of tests/policies/test_defrag.cpp; 8 pages, 1.21
+// on its random sizes on eight streams.
 // A moved chunk may be larger than the pages a placement lacks: it is taken only when the
 // unmapped hole has room for it, and its extra pages join the fresh mapped hole there (they
 // were free and stay free: no memory is added).
@@ -219,7 +236,8 @@ void DefragEngine::create_pages(std::size_t count) {
   }
   // Note [Chunks]: about kChunksPerGrowth chunks, so that a chunk a live block pins holds at
   // most a small part of the growth that created it.
-  const std::size_t chunk = std::clamp<std::size_t>(count / kChunksPerGrowth, 1, max_chunk_pages_);
+  const std::size_t chunk = std::clamp<std::size_t>(
+      count / kChunksPerGrowth, std::min({kMinChunkPages, count, max_chunk_pages_}), max_chunk_pages_);
   scratch_.reserve(scratch_.size() + (count + chunk - 1) / chunk);
   while (count > 0) {
     std::size_t pages = std::min(count, chunk);
@@ -534,6 +552,7 @@ Node* DefragEngine::make_fresh(Node* hole, std::uintptr_t end, std::uint32_t cls
 // ============================================================================ release
 
 std::size_t DefragEngine::release_cached() {
+  flush_recent();
   wait_all();
   // Every hole is safe now: merge all neighbours the streams kept apart.
   for (const auto& a : arenas_) {

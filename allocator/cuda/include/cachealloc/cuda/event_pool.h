@@ -29,8 +29,14 @@
 // the driver call failed with CUDA_ERROR_INVALID_CONTEXT on PyTorch's autograd threads (the
 // runtime binds its context to a thread lazily; record() now binds it), and cudaMemPoolTrimTo
 // does not see a fence, so async's empty_cache kept memory (its release now waits with real
-// events: StreamOrderedMemory::wait_for_frees). Both fixes have tests, but they have not run
-// on a GPU yet; until they have, the default stays on events, which every earlier GPU run used.
+// events: StreamOrderedMemory::wait_for_frees). Both fixes then passed on the H200 (session 7:
+// the GPU suite's fence section, including a record from a fresh thread; tools/tests/
+// test_async_stats.py under CACHEALLOC_HOST_FENCES=1; 27 e2e runs with fences, none failed).
+// They stay opt-in because they bought nothing measurable: in the same run (3 interleaved
+// repetitions, bench/results/e2e_h200_2026-12-03_session7a.md) cachealloc:async spent 349 us
+// per pipeline step with events and 430 with fences, 3,751 and 3,535 on gpt2, 1,580 and 1,517
+// on resnet50; defrag 995 / 974 (pipeline), 697 / 707 (resnet50): within the run-to-run spread.
+// An event query on a completed event is cheap enough that removing it does not show.
 #pragma once
 
 #include <cachealloc/types.h>
