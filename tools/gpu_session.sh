@@ -280,6 +280,7 @@ export -f pytest_failed fuzz_campaigns record_e2e_traces gpu_suite_quick setup g
 
 # The key figures of the steps that several stages run (read from the step's log, "$L").
 E2E_FIGURE='grep -E "^run_e2e: (round 1|measured steps|[0-9]+ runs)" "$L"; grep -c FAILED "$L" | sed "s/$/ failed runs/"'
+MEMCHECK_FIGURE='grep -E "^gpu_suite:|^memcheck:|All tests passed|failed|ERROR SUMMARY" "$L" | head -5'
 SUITE_FIGURE='grep -E "^(All tests passed|test cases)|ERROR SUMMARY|Failed" "$L" | tr -s " " | head -4'
 BENCH_FIGURE='grep -E "^RATIO" "$OUT/gpu_bench.md" | head -8; grep -E "^total:" "$OUT/gpu_bench.md"'
 PYTEST_FIGURE='grep -hE "[0-9]+ (passed|failed)" "$WORK"/pytest_*.log | tr "\n" " "; grep -c "exit 0" "$L" | sed "s/$/ apps ok/"'
@@ -289,7 +290,7 @@ RACECHECK_FIGURE='grep -E "RACECHECK SUMMARY|All tests passed|test cases" "$L" |
 echo "gpu_session $stage: budget ${BUDGET}s, logs in $WORK -> $OUT/${stage}_logs.tar.gz"
 step setup 90 'grep -E "^torch|NVIDIA|MISSING|pip install" "$L" | head -4' setup
 if [[ $stage == gpu ]]; then
-  step gpu_suite_memcheck 280 'grep -E "^gpu_suite:|^memcheck:|All tests passed|failed|ERROR SUMMARY" "$L" | head -5' gpu_suite_memcheck
+  step gpu_suite_memcheck 280 "$MEMCHECK_FIGURE" gpu_suite_memcheck
   step gpu_bench 300 'grep -c "^RATIO" "$OUT/gpu_bench.md" | sed "s/$/ RATIO lines/"; grep -E "^total:" "$OUT/gpu_bench.md"' gpu_bench
   step pytest 240 "$PYTEST_FIGURE" pytest_tools
   step oom_recovery 150 "$OOM_FIGURE" oom_recovery
@@ -363,7 +364,7 @@ elif [[ $stage == closing ]]; then
   # The GPU suite (plain) and memcheck on the record_stream tests, then the end-to-end run.
   # CLOSING_MEMCHECK=full: the whole suite under memcheck instead (capped at 200 s).
   if [[ ${CLOSING_MEMCHECK:-} == full ]]; then
-    step gpu_suite_memcheck 200 'grep -E "^gpu_suite:|^memcheck:|All tests passed|failed|ERROR SUMMARY" "$L" | head -5' gpu_suite_memcheck
+    step gpu_suite_memcheck 200 "$MEMCHECK_FIGURE" gpu_suite_memcheck
   else
     step gpu_suite_quick 150 "$SUITE_FIGURE" gpu_suite_quick
   fi

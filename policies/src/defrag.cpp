@@ -558,13 +558,9 @@ Node* DefragEngine::take_recent(std::uint32_t cls, std::size_t size) noexcept {
   }
   head = n->age_next;
   n->age_next = nullptr;
-  n->state = State::live;
-  n->stamp = 0;
   recent_bytes_ -= size;
   --recent_blocks_;
-  live_bytes_ += size;
-  peak_live_ = std::max(peak_live_, live_bytes_);
-  ++live_blocks_;
+  make_live(n);
   ++counters_.recent_hits;
   return n;
 }
@@ -590,6 +586,9 @@ bool DefragEngine::keep_recent(Node* n) noexcept {
 }
 
 void DefragEngine::flush_recent() noexcept {
+  if (recent_blocks_ == 0) {
+    return;
+  }
   for (StreamState& st : streams_) {
     if (!st.recent) {
       continue;
@@ -685,13 +684,17 @@ Node* DefragEngine::carve(Node* f, std::uintptr_t start, std::size_t size, std::
   }
   b->addr = start;
   b->size = size;
-  b->state = State::live;
   b->cls = cls;
-  b->stamp = 0;
-  live_bytes_ += size;
+  make_live(b);
+  return b;
+}
+
+void DefragEngine::make_live(Node* n) noexcept {
+  n->state = State::live;
+  n->stamp = 0;
+  live_bytes_ += n->size;
   peak_live_ = std::max(peak_live_, live_bytes_);
   ++live_blocks_;
-  return b;
 }
 
 }  // namespace detail

@@ -257,6 +257,8 @@ class DefragEngine {
   /// Best fit among other streams' mapped holes that are safe.
   Node* find_other(std::uint32_t kind, std::uint32_t cls, std::size_t size) const;
   Node* carve(Node* f, std::uintptr_t start, std::size_t size, std::uint32_t cls);
+  /// Hands out range `n` (addr, size and cls set): live, and counted in the live bytes.
+  void make_live(Node* n) noexcept;
   Node* grow(std::uint32_t kind, std::uint32_t cls, std::size_t size);
   struct Placement {
     Node* hole = nullptr;  // the unmapped hole

@@ -44,8 +44,8 @@ CudaEventPool::~CudaEventPool() {
 }
 
 bool CudaEventPool::init_fences() noexcept {
-  // Opt-in for now (Note [Host fences instead of events]): the fixes after their first GPU run
-  // have not run on a GPU yet.
+  // Opt-in (Note [Host fences instead of events]): on the H200 they measured no faster than
+  // events.
   if (const char* v = std::getenv("CACHEALLOC_HOST_FENCES"); v == nullptr || std::string_view(v) != "1") {
     return false;
   }
