@@ -56,8 +56,10 @@ DefragEngine::DefragEngine(DeviceBackend& backend, const DefragSettings& setting
         }
         return *vm;
       }()),
-      settings_(settings),
-      page_(vm_.granularity()) {
+      page_(vm_.granularity()),
+      small_limit_(settings.small_size),
+      keep_limit_(settings.keep_small_bytes),
+      settings_(settings) {
   if (page_ < kAlignment || (page_ & (page_ - 1)) != 0) {
     throw ConfigError("policy defrag needs a power-of-two granularity of at least 512 bytes, got " +
                       std::to_string(page_));
@@ -465,7 +467,7 @@ Block DefragEngine::allocate(std::size_t bytes, StreamId stream) {
   const std::size_t size = round_up(bytes, kAlignment);
   ++window_allocations_;
   const std::uint32_t kind =
-      settings_.small_size != 0 && size <= settings_.small_size ? kSmall : kLarge;
+      size <= small_limit_ ? kSmall : kLarge;  // small_limit_ 0: none are small
   const std::uint32_t cls = class_of(stream);
   if ((streams_.size() > 1 && frees_in_epoch_ >= kEpochFrees) ||
       deferred_.size() > kDeferredLimit) {
@@ -566,7 +568,7 @@ Node* DefragEngine::take_recent(std::uint32_t cls, std::size_t size) noexcept {
 }
 
 bool DefragEngine::keep_recent(Node* n) noexcept {
-  if (recent_bytes_ + n->size > settings_.keep_small_bytes) {
+  if (recent_bytes_ + n->size > keep_limit_) {
     return false;
   }
   StreamState& st = streams_[n->cls];

@@ -140,7 +140,7 @@ struct StreamState {
 inline constexpr std::size_t kRecentMaxSize = std::size_t{1} << 20;
 inline constexpr std::size_t kRecentSlots = kRecentMaxSize / kAlignment + 1;
 
-class DefragEngine {
+class alignas(64) DefragEngine {
  public:
   DefragEngine(DeviceBackend& backend, const DefragSettings& settings);
   ~DefragEngine();
@@ -294,30 +294,42 @@ class DefragEngine {
 
   DeviceBackend& backend_;
   VirtualMemory& vm_;
-  DefragSettings settings_;
+  // Note [Hot fields first] (allocator.h): inside a training step every call finds the caches
+  // cold, so the fields an allocation or a free from a mapped hole touches come first, on the
+  // object's first three cache lines (the class is aligned to a line), and the rest after.
   std::size_t page_;
-  std::size_t va_reserve_;
-
-  Index mapped_;
-  Index unmapped_;
-  std::deque<Node> node_storage_;
-  std::vector<Node*> node_free_;
-  std::vector<std::unique_ptr<Arena>> arenas_;
-  Node* age_head_ = nullptr;
-  Node* age_tail_ = nullptr;
-
-  std::vector<StreamState> streams_;  // few streams: linear search
+  std::size_t held_pages_ = 0;
+  std::size_t small_limit_ = 0;   // settings_.small_size (0: none are small)
+  std::size_t recent_max_ = 0;    // largest size kept on the recent lists (0: none)
+  std::size_t recent_bytes_ = 0;  // bytes on the recent lists
+  std::size_t keep_limit_ = 0;    // settings_.keep_small_bytes
+  std::size_t live_bytes_ = 0;
+  std::size_t peak_live_ = 0;  // highest live_bytes_ so far (the slack's base)
+  std::size_t live_blocks_ = 0;
+  std::size_t recent_blocks_ = 0;
+  std::uint64_t epoch_ = 1;  // the open epoch: frees now are stamped with it
   StreamId last_stream_ = 0;
   std::uint32_t last_cls_ = 0;
-  bool have_last_ = false;
-  std::vector<std::uint32_t> dirty_list_;
-  std::uint64_t epoch_ = 1;  // the open epoch: frees now are stamped with it
   std::uint32_t frees_in_epoch_ = 0;
+  bool have_last_ = false;
+  Node* age_head_ = nullptr;
+  Node* age_tail_ = nullptr;
+  std::uint64_t window_allocations_ = 0;
+  std::vector<Node*> node_free_;
+  std::vector<StreamState> streams_;  // few streams: linear search
   std::vector<Node*> deferred_;  // left halves of unmerged mapped neighbours
+  std::vector<std::uint32_t> dirty_list_;
+  Index mapped_;
+
+  // ---- colder: growth, moves, other indexes, settings ----
+  Index unmapped_;
+  std::deque<Node> node_storage_;
+  std::vector<std::unique_ptr<Arena>> arenas_;
+  DefragSettings settings_;
+  std::size_t va_reserve_;
 
   /// Note [Slack that adapts to moves]: the slack in force, and the window it is judged on.
   double slack_ = 0.0;
-  std::uint64_t window_allocations_ = 0;
   std::uint64_t window_moves_ = 0;
   std::uint32_t dense_windows_ = 0;
   void note_move() noexcept;
@@ -332,14 +344,7 @@ class DefragEngine {
   std::vector<Chunk> scratch_;
   std::vector<MapPiece> pieces_;  // scratch_ as map_run wants it (kept to reuse its storage)
   std::size_t max_chunk_pages_ = 1;
-  std::size_t held_pages_ = 0;
   std::size_t held_chunks_ = 0;
-  std::size_t live_bytes_ = 0;
-  std::size_t live_blocks_ = 0;
-  std::size_t peak_live_ = 0;  // highest live_bytes_ so far (the slack's base)
-  std::size_t recent_max_ = 0;    // largest size kept on the recent lists (0: none)
-  std::size_t recent_bytes_ = 0;  // bytes on the recent lists
-  std::size_t recent_blocks_ = 0;
   std::uint64_t unsafe_unmaps_ = 0;
   DefragCounters counters_;
 };
