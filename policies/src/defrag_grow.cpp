@@ -55,6 +55,17 @@
 // unmapped hole has room for it, and its extra pages join the fresh mapped hole there (they
 // were free and stay free: no memory is added).
 //
+// Note [Chunks once the slack rose]
+// A slack raised by Note [Slack that adapts to moves] is memory the job is allowed to hold beyond
+// its peak because moving pages cost it too much time; the job then fills it growth by growth
+// as its layout spreads (the e2e pipeline recording: seven growths of 5-128 pages at a slack of
+// 0.25, 168 device calls, until it held 1.24x its peak). Chunks sized only by the growth make
+// such small growths cost two calls per two pages, though the pages they pin are the very
+// memory the raise granted. So once the slack rose by d over grow_slack, a chunk holds at least
+// d x peak live bytes / kChunksPerGrowth: the raise's pages come in about as many chunks as one
+// growth of them would. A job that never raised its slack keeps its chunks (and its memory);
+// one raised to 0.02 (the e2e gpt2 recording) made the same chunks as before.
+//
 // Note [Failures while growing]
 // Pages are gathered first (created, or unmapped from holes, which leaves consistent unmapped
 // holes behind), then mapped as one run, all or nothing. If gathering or mapping fails, the
@@ -235,9 +246,16 @@ void DefragEngine::create_pages(std::size_t count) {
     return;
   }
   // Note [Chunks]: about kChunksPerGrowth chunks, so that a chunk a live block pins holds at
-  // most a small part of the growth that created it.
+  // most a small part of the growth that created it. Once the slack rose (Note [Chunks once the
+  // slack rose]), chunks hold at least a kChunksPerGrowth-th of what it rose by.
+  std::size_t least = kMinChunkPages;
+  if (slack_ > settings_.grow_slack) {
+    const double raised = (slack_ - settings_.grow_slack) * static_cast<double>(peak_live_);
+    least = std::max(least,
+                     static_cast<std::size_t>(raised / static_cast<double>(page_)) / kChunksPerGrowth);
+  }
   const std::size_t chunk = std::clamp<std::size_t>(
-      count / kChunksPerGrowth, std::min({kMinChunkPages, count, max_chunk_pages_}), max_chunk_pages_);
+      count / kChunksPerGrowth, std::min({least, count, max_chunk_pages_}), max_chunk_pages_);
   scratch_.reserve(scratch_.size() + (count + chunk - 1) / chunk);
   while (count > 0) {
     std::size_t pages = std::min(count, chunk);
@@ -382,6 +400,19 @@ void DefragEngine::raise_slack(double factor) noexcept {
 // its live peak instead of 1.020; and with f / 2, resnet50 in bench/e2e peaked at 3,330 MiB, as
 // expandable_segments did, where doubling had given 3,324 (whether the factor caused those
 // 6 MiB was not established).
+// Note [Judging a window before it is full]
+// A window of kMoveWindow moving growths lasts longest for the jobs whose growths each move the
+// most: the two-stream pipeline of bench/e2e (replayed from its recording) moved 60-130 pages
+// per growth at about one such growth per step, 15-25x over its budget, and its second window
+// needed 60 ms, in which three more growths moved 62-109 pages each at a slack of 0.076
+// (30-48 device calls each) before the slack rose to 0.25. A window of n
+// moves (n >= 2) spanning at least kBudgetMinWindowNs therefore closes early when its moves
+// would still be over the budget if the window were stretched to kMoveWindow moves at its own
+// pace (n - 1 gaps -> kMoveWindow - 1) and the missing moves cost nothing: the full window could
+// then come out under the budget only if the job's moves became sparser than they have been.
+// A single burst (n = 1) is never judged, and two moves close together count as one gap out of
+// seven: the slow host of the time-budget test in tests/policies/test_defrag.cpp (moves a few
+// calls apart, once per step) still never raises the slack, as it must not.
 void DefragEngine::note_move_time(std::uint64_t now_ns, std::uint64_t spent_ns) noexcept {
   counters_.move_ns += spent_ns;
   if (settings_.move_budget >= 1.0) {
@@ -396,7 +427,16 @@ void DefragEngine::note_move_time(std::uint64_t now_ns, std::uint64_t spent_ns) 
   budget_spent_ns_ += spent_ns;
   ++budget_moves_;
   const std::uint64_t elapsed = now_ns - budget_start_ns_;
-  if (elapsed < kBudgetMaxWindowNs && (budget_moves_ < kMoveWindow || elapsed < kBudgetMinWindowNs)) {
+  // Note [Judging a window before it is full]: a window of fewer moves closes once its verdict
+  // holds even if the moves still missing from it cost nothing and came at its own pace.
+  bool over_anyway = false;
+  if (budget_moves_ > 1 && budget_moves_ < kMoveWindow && elapsed >= kBudgetMinWindowNs) {
+    const double stretched = static_cast<double>(elapsed) * static_cast<double>(kMoveWindow - 1) /
+                             static_cast<double>(budget_moves_ - 1);
+    over_anyway = static_cast<double>(budget_spent_ns_) > settings_.move_budget * stretched;
+  }
+  if (!over_anyway && elapsed < kBudgetMaxWindowNs &&
+      (budget_moves_ < kMoveWindow || elapsed < kBudgetMinWindowNs)) {
     return;  // moves come in bursts: judge them over several, and over a while
   }
   const double allowed = settings_.move_budget * static_cast<double>(elapsed);

@@ -1163,6 +1163,85 @@ TEST_CASE("defrag: the slack rises when moving pages takes more than move_budget
   }
 }
 
+TEST_CASE("defrag: far over the time budget, the slack rises before a window is full and then "
+          "chunks grow with it", "[defrag][patterns]") {
+  // The workload of the test above; moves take most of the time. Note [Judging a window before
+  // it is full]: the first raise comes before kMoveWindow growths moved pages. Note [Chunks once
+  // the slack rose]: afterwards a created chunk holds at least (slack - grow_slack) x peak live
+  // / kChunksPerGrowth pages (or the whole growth, when that is smaller).
+  // The engine's constants (policies/src/defrag_engine.h, private to the policy).
+  constexpr std::uint64_t kChunksPerGrowth = 16;
+  constexpr std::uint64_t kMoveWindow = 8;
+  // 50 us per call: steps of about 30 ms. The first raise then came after 9 moving growths
+  // when windows were judged only when full, after 3 with the early verdict.
+  Workload w("max_grow_slack:0.25", 50'000);
+  std::mt19937_64 rng(5);
+  std::vector<void*> weights;
+  for (int i = 0; i < 8; ++i) {
+    weights.push_back(w.alloc(64 * MiB));
+  }
+  std::uint64_t moving_growths = 0;
+  std::uint64_t moving_growths_at_raise = 0;
+  std::uint64_t growths_after_raise = 0;
+  std::size_t peak_live = 0;
+  const auto alloc = [&](std::size_t bytes) {
+    const DefragCounters before = w.allocator().policy().counters();
+    void* p = w.alloc(bytes);
+    const DefragCounters after = w.allocator().policy().counters();
+    peak_live = std::max(peak_live, w.allocator().policy().live_bytes());
+    if (after.pages_moved > before.pages_moved) {
+      ++moving_growths;
+    }
+    if (after.budget_raises > 0 && before.budget_raises == 0) {
+      moving_growths_at_raise = moving_growths;
+    }
+    const std::uint64_t chunks = after.chunks_created - before.chunks_created;
+    const std::uint64_t pages = after.pages_created - before.pages_created;
+    if (chunks > 0 && before.slack > 0.01) {
+      ++growths_after_raise;
+      const auto least = static_cast<std::uint64_t>((before.slack - 0.01) *
+                                                    static_cast<double>(peak_live) /
+                                                    static_cast<double>(2 * MiB)) /
+                         kChunksPerGrowth;
+      const std::uint64_t chunk = std::max<std::uint64_t>(std::min(least, pages), 1);
+      INFO("growth of " << pages << " pages in " << chunks << " chunks, slack " << before.slack
+                        << ", least " << least);
+      CHECK(chunks <= (pages + chunk - 1) / chunk);
+    }
+    return p;
+  };
+  for (int step = 0; step < 60; ++step) {
+    std::vector<void*> acts;
+    for (int i = 0; i < 300; ++i) {
+      acts.push_back(alloc(256 * kKiB + rng() % (2 * MiB)));
+    }
+    const std::size_t big = (8 + rng() % 56) * 4 * MiB;
+    void* a = alloc(big);
+    void* b = alloc(256 * MiB - big + 2 * MiB);
+    for (std::size_t i = 0; i < acts.size(); i += 2) {
+      w.free(acts[i]);
+    }
+    w.free(a);
+    void* c = alloc(big + 6 * MiB);
+    w.free(b);
+    w.free(c);
+    for (std::size_t i = 1; i < acts.size(); i += 2) {
+      w.free(acts[i]);
+    }
+  }
+  const DefragCounters c = w.allocator().policy().counters();
+  INFO("moving growths " << moving_growths << ", at the first raise on time "
+                         << moving_growths_at_raise << ", growths that created pages after a raise "
+                         << growths_after_raise << ", slack " << c.slack);
+  REQUIRE(c.budget_raises >= 1);
+  CHECK(moving_growths_at_raise >= 2);
+  CHECK(moving_growths_at_raise < kMoveWindow);
+  CHECK(growths_after_raise > 0);
+  for (void* p : weights) {
+    w.free(p);
+  }
+}
+
 TEST_CASE("defrag: randomized sequences keep every invariant and the stream oracle happy",
           "[defrag][random]") {
   const std::uint64_t steps = CACHEALLOC_CHECK_LEVEL >= 3 ? 50000 : 10000;
