@@ -1,4 +1,5 @@
-// install.cpp: cachealloc::torch::install() and the C entry points of libcachealloc_torch.so.
+// install.cpp: cachealloc::torch::install(), time_native_install() (the timing wrapper of
+// timed_allocator.h) and the C entry points of libcachealloc_torch.so.
 //
 // Note [Installing]
 // PyTorch reads its CUDA allocator from two places: c10::cuda::CUDACachingAllocator::allocator
@@ -8,10 +9,12 @@
 // once the current allocator is initialized (CUDA was used): tensors of the old allocator would
 // reach our free. The runtime is only configured here, not started: no CUDA call happens before
 // PyTorch's own lazy initialisation (so fork() before the first CUDA use still works).
+// time_native_install() puts the timing wrapper in the same two places, under the same rule.
 #include "cachealloc/torch/install.h"
 
 #include "capture_guard_backend.h"
 #include "runtime.h"
+#include "timed_allocator.h"
 #include "torch_allocator.h"
 
 #include <c10/core/Allocator.h>
@@ -32,6 +35,7 @@
 namespace cachealloc::torch {
 namespace {
 
+using torch_adapter::TimedAllocator;
 using torch_adapter::TorchAllocator;
 
 std::mutex g_install_mutex;
@@ -96,6 +100,44 @@ void install(const std::string& conf) {
 
 bool installed() noexcept { return TorchAllocator::instance() != nullptr; }
 
+void time_native_install() {
+  std::lock_guard lock(g_install_mutex);
+  auto* current = c10::cuda::CUDACachingAllocator::allocator.load();
+  if (TimedAllocator* timed = TimedAllocator::instance()) {
+    TORCH_CHECK(current == timed, "cachealloc::torch::time_native_install: the timing wrapper was installed, but "
+                "PyTorch's CUDA allocator was changed since (now '", current != nullptr ? current->name() : "none",
+                "'); an allocator in use cannot be wrapped again. Start a new process.");
+    return;
+  }
+  TORCH_CHECK(current != nullptr, "cachealloc::torch::time_native_install: PyTorch has no CUDA allocator to time");
+  TORCH_CHECK(!current->initialized(), "cachealloc::torch::time_native_install: PyTorch's CUDA allocator ('",
+              current->name(), "') is already initialized in this process (CUDA was used), and the tensors it "
+              "handed out would be freed around the wrapper. Install the timing wrapper right after start-up, "
+              "before the first CUDA tensor or any torch.cuda call that initialises CUDA.");
+  // Leaked on purpose, like the adapter: DataPtr deleters run during interpreter shutdown.
+  auto* timed = new TimedAllocator(current);
+  TimedAllocator::set_instance(timed);  // before any tensor can carry one of its deleters
+  c10::cuda::CUDACachingAllocator::allocator.store(timed);
+  c10::SetAllocator(c10::DeviceType::CUDA, timed, kAllocatorPriority);
+}
+
+bool time_native_installed() noexcept {
+  TimedAllocator* timed = TimedAllocator::instance();
+  return timed != nullptr && c10::cuda::CUDACachingAllocator::allocator.load() == timed;
+}
+
+TimedNativeTotals time_native_totals() noexcept {
+  TimedNativeTotals out;
+  if (const TimedAllocator* timed = TimedAllocator::instance()) {
+    const torch_adapter::TimedTotals t = timed->totals();
+    out.alloc_calls = t.alloc_calls;
+    out.free_calls = t.free_calls;
+    out.alloc_ns = t.alloc_ns;
+    out.free_ns = t.free_ns;
+  }
+  return out;
+}
+
 const char* built_for_torch_version() noexcept { return TORCH_VERSION; }
 
 }  // namespace cachealloc::torch
@@ -156,4 +198,48 @@ extern "C" std::uint64_t cachealloc_torch_allocator_ns(int device) {
   } catch (...) {
     return 0;
   }
+}
+
+/// Installs the timing wrapper around PyTorch's current CUDA allocator
+/// (cachealloc::torch::time_native_install). 0 on success; -1 with the message in `err`.
+extern "C" int cachealloc_torch_time_native_install(char* err, std::size_t len) {
+  try {
+    cachealloc::torch::time_native_install();
+    copy_message("", err, len);
+    return 0;
+  } catch (const c10::Error& e) {
+    copy_message(e.what_without_backtrace(), err, len);
+  } catch (const std::exception& e) {
+    copy_message(e.what(), err, len);
+  } catch (...) {
+    copy_message("cachealloc_torch_time_native_install: unknown error", err, len);
+  }
+  return -1;
+}
+
+/// 1 while the timing wrapper is PyTorch's CUDA allocator, else 0.
+extern "C" int cachealloc_torch_time_native_is_installed(void) {
+  return cachealloc::torch::time_native_installed() ? 1 : 0;
+}
+
+/// Nanoseconds inside the wrapped allocator's allocation and free paths (0 before installing).
+extern "C" std::uint64_t cachealloc_torch_time_native_ns(void) {
+  const cachealloc::torch::TimedNativeTotals t = cachealloc::torch::time_native_totals();
+  return t.alloc_ns + t.free_ns;
+}
+
+extern "C" std::uint64_t cachealloc_torch_time_native_alloc_ns(void) {
+  return cachealloc::torch::time_native_totals().alloc_ns;
+}
+
+extern "C" std::uint64_t cachealloc_torch_time_native_free_ns(void) {
+  return cachealloc::torch::time_native_totals().free_ns;
+}
+
+extern "C" std::uint64_t cachealloc_torch_time_native_alloc_calls(void) {
+  return cachealloc::torch::time_native_totals().alloc_calls;
+}
+
+extern "C" std::uint64_t cachealloc_torch_time_native_free_calls(void) {
+  return cachealloc::torch::time_native_totals().free_calls;
 }

@@ -25,8 +25,10 @@ Each child then verifies the allocator (allocator_check in the JSON): get_alloca
 "native" (native, expandable: plus at least one expandable segment for expandable, none for
 native), "cudaMallocAsync" (async), "pluggable" with cachealloc enabled and the right policy
 (cachealloc:<p>), or something that is neither of those three (cachealloc-full:<p>, the LibTorch
-adapter). A failed check fails the run. A forked run that fails the way a fork-poisoned CUDA
-fails is repeated as a subprocess, and that configuration stays in subprocess mode.
+adapter); under +timed also that cachealloc's timing wrapper is PyTorch's allocator, before and
+after the workload, and that it counted allocations in the measured steps. A failed check fails
+the run. A forked run that fails the way a fork-poisoned CUDA fails is repeated as a subprocess,
+and that configuration stays in subprocess mode.
 
 Configurations (--configs, comma separated):
   native                 PyTorch's caching allocator, PYTORCH_CUDA_ALLOC_CONF unset
@@ -38,9 +40,29 @@ Configurations (--configs, comma separated):
                          it is missing, each run records the error and the others go on)
   ...+key:value+...      either of the two with more CACHEALLOC_CONF settings, e.g.
                          cachealloc:async+async_cache_mb:0 (CACHEALLOC_CONF=policy:async,async_cache_mb:0)
-  ...+env:NAME=VALUE     either of the two with an environment variable set, for switches that
-                         are not settings, e.g. cachealloc:async+env:CACHEALLOC_HOST_FENCES=1
+  ...+env:NAME=VALUE     any of them with an environment variable set, for switches that are not
+                         settings, e.g. cachealloc:async+env:CACHEALLOC_HOST_FENCES=1
+  native+timed, expandable+timed, async+timed
+                         PyTorch's allocator as above, inside cachealloc's timing wrapper
+                         (cachealloc.time_native(), Note [Timing PyTorch's allocator]): its
+                         allocator time is then measured exactly, as cachealloc's is. Opt-in.
+  cachealloc-full:<p>+timed
+                         the LibTorch adapter inside the same wrapper: the same yardstick for
+                         both sides (the adapter's own allocator_ns covers only its pools)
   default: native, expandable, async and cachealloc:<p> for every registered policy.
+
+Note [Timing PyTorch's allocator]
+cachealloc measures the time inside its own alloc and free (allocator_ns, the TSC read in its
+hooks); PyTorch's allocators have no such hook, so their untimed rows show only the CUDA calls
+they make, a lower bound. +timed installs, at the start of the run and before CUDA is used, a thin
+C++ CUDAAllocator from libcachealloc_torch.so (allocator/torch/timed_allocator.h) around whatever
+allocator PyTorch has: it forwards every method and adds up, with the same TickClock, the time of
+allocate/raw_alloc/raw_alloc_with_stream and of every free (tensor deleters and raw_delete), with
+call counts. get_allocator_backend(), memory_stats() and snapshots answer through it as before.
+Its indirection costs a little per call (a virtual call, two TSC reads, two atomic adds; for a
+free also a deleter trampoline), so step times are compared on the untimed rows; the +timed rows
+are for allocator µs/step, % of step and allocs/step, which they report exactly (no ≥). Needs
+libcachealloc_torch.so built for the running PyTorch (like cachealloc-full).
 
 What is measured, the same way for every configuration, in the run's process:
   peak device memory   used = total - free of the device, sampled every --sample-ms (default
@@ -57,9 +79,19 @@ What is measured, the same way for every configuration, in the run's process:
                        otherwise, where they exist): allocator_ns, alloc_calls,
                        num_device_alloc/free, num_maps/unmaps, bytes_mapped, pool.calls
                        (cudaMallocFromPoolAsync/cudaFreeAsync of policy async),
-                       num_sync_all_streams, num_alloc_retries. "allocator % of step" is the
-                       allocator's ns per step over the median step time; "device calls/step"
-                       counts device allocs + frees + maps + unmaps + pool calls.
+                       num_sync_all_streams, num_alloc_retries; under +timed also the timing
+                       wrapper's timed.allocator_ns, timed.alloc_ns/free_ns,
+                       timed.alloc_calls/free_calls (cachealloc.native_allocator_stats()).
+  allocator time/step  allocator_ns_per_step: cachealloc:<p> and cachealloc-full:<p>: time
+                       inside cachealloc's pools (its own allocator_ns); +timed: the timing
+                       wrapper's, everything inside the wrapped allocator's calls, exact;
+                       native, expandable, async: only the CUDA allocation calls they make
+                       (bench/e2e/call_timer, preloaded when built), a lower bound, flagged
+                       allocator_ns_lower_bound and shown with ≥. "allocator % of step" is that
+                       over the median step time; allocs/step is alloc_calls (cachealloc) or the
+                       wrapper's timed.alloc_calls (+timed, zero-byte requests included);
+                       "device calls/step" counts device allocs + frees + maps + unmaps + pool
+                       calls.
   torch max_memory_reserved   torch.cuda.max_memory_reserved() at the end of the run: PyTorch's
                        own figure (native, expandable, async, and the LibTorch adapter); it
                        raises under the pluggable allocator (shown as –).
@@ -116,7 +148,9 @@ BUILTIN_CONFIGS = {
 FALLBACK_POLICIES = ("native", "size_class", "defrag", "async")
 COUNTER_KEYS = ("allocator_ns", "alloc_calls", "free_calls", "num_device_alloc", "num_device_free", "num_maps",
                 "num_unmaps", "bytes_mapped", "bytes_unmapped", "pool.calls", "num_sync_all_streams",
-                "num_alloc_retries", "num_ooms")
+                "num_alloc_retries", "num_ooms",
+                # the timing wrapper of +timed configurations (cachealloc.native_allocator_stats())
+                "timed.allocator_ns", "timed.alloc_ns", "timed.free_ns", "timed.alloc_calls", "timed.free_calls")
 DEVICE_CALL_KEYS = ("num_device_alloc", "num_device_free", "num_maps", "num_unmaps", "pool.calls")
 # How a CUDA process fails when it inherited CUDA state from its parent (fork after CUDA init).
 FORK_POISON_MARKERS = ("initialization error", "re-initialize CUDA", "forked subprocess",
@@ -146,16 +180,20 @@ def default_configs() -> list[str]:
     return list(BUILTIN_CONFIGS) + [f"cachealloc:{p}" for p in registered_policies()]
 
 
+TIMED = "timed"  # the +timed modifier (Note [Timing PyTorch's allocator])
+
+
 def config_kind(name: str) -> str:
     """native | expandable | async | plugin | full."""
-    if name in BUILTIN_CONFIGS:
-        return name
+    base = name.split("+", 1)[0]
+    if base in BUILTIN_CONFIGS:
+        return base
     if name.startswith("cachealloc:"):
         return "plugin"
     if name.startswith("cachealloc-full:"):
         return "full"
     raise ValueError(f"unknown configuration {name!r}; use native, expandable, async, cachealloc:<policy> "
-                     "or cachealloc-full:<policy>")
+                     "or cachealloc-full:<policy>, each optionally with +timed or +env:NAME=VALUE")
 
 
 def config_policy(name: str) -> Optional[str]:
@@ -164,19 +202,34 @@ def config_policy(name: str) -> Optional[str]:
 
 
 def config_entries(name: str) -> list[str]:
-    """The +entries of cachealloc:<p>+key:value+env:NAME=VALUE..."""
-    if config_kind(name) not in ("plugin", "full"):
-        return []
+    """The +entries of native+timed+env:NAME=VALUE, cachealloc:<p>+key:value+env:NAME=VALUE..."""
+    if config_kind(name) in BUILTIN_CONFIGS:
+        return [e for e in name.split("+")[1:] if e]
     return [e for e in name.split(":", 1)[1].split("+")[1:] if e]
+
+
+def config_timed(name: str) -> bool:
+    """True for ...+timed: the allocator runs inside cachealloc's timing wrapper
+    (Note [Timing PyTorch's allocator]). PyTorch's allocators and cachealloc-full:<p> only."""
+    if TIMED not in config_entries(name):
+        return False
+    if config_kind(name) == "plugin":
+        raise ValueError(f"{name!r}: +timed wraps PyTorch's allocators or the LibTorch adapter "
+                         "(cachealloc-full:<p>); the pluggable allocator times itself")
+    return True
 
 
 def config_settings(name: str) -> list[str]:
     """The extra CACHEALLOC_CONF entries of cachealloc:<p>+key:value+key:value."""
-    return [e for e in config_entries(name) if not e.startswith("env:")]
+    settings = [e for e in config_entries(name) if not e.startswith("env:") and e != TIMED]
+    if settings and config_kind(name) in BUILTIN_CONFIGS:
+        raise ValueError(f"{name!r}: PyTorch's allocators take only +timed and +env:NAME=VALUE entries, "
+                         f"not {settings[0]!r}")
+    return settings
 
 
 def config_extra_env(name: str) -> dict[str, str]:
-    """The environment variables of cachealloc:<p>+env:NAME=VALUE entries (switches that are not
+    """The environment variables of ...+env:NAME=VALUE entries (switches that are not
     CACHEALLOC_CONF settings, e.g. env:CACHEALLOC_HOST_FENCES=1)."""
     out = {}
     for e in config_entries(name):
@@ -191,8 +244,10 @@ def config_extra_env(name: str) -> dict[str, str]:
 def config_env(name: str) -> dict[str, str]:
     """The environment variables a configuration sets (everything else allocator-related unset)."""
     kind = config_kind(name)
+    config_timed(name)  # refuses cachealloc:<p>+timed
     if kind in BUILTIN_CONFIGS:
-        return dict(BUILTIN_CONFIGS[kind])
+        config_settings(name)  # refuses anything but +timed and +env:
+        return {**BUILTIN_CONFIGS[kind], **config_extra_env(name)}
     policy = config_policy(name)
     if not policy:
         raise ValueError(f"{name!r}: cachealloc:<policy> needs a policy name")
@@ -220,7 +275,9 @@ def child_env(name: str) -> dict[str, str]:
     if config_kind(name) in BUILTIN_CONFIGS and timer:
         # Note [PyTorch's allocator time]: PyTorch's own allocators have no timing hook; the
         # preloaded timer adds up the time of the CUDA calls they make (cudaMalloc/cudaFree,
-        # cudaMallocAsync/cudaFreeAsync), a lower bound of the time inside them.
+        # cudaMallocAsync/cudaFreeAsync), a lower bound of the time inside them. Under +timed
+        # the wrapper gives the exact figure (Note [Timing PyTorch's allocator]); the timer's
+        # part is kept beside it (cuda_call_ns_per_step).
         env["LD_PRELOAD"] = " ".join(x for x in (timer, env.get("LD_PRELOAD", "")) if x)
         env["CACHEALLOC_CALL_TIMER"] = timer
     env["PYTHONPATH"] = os.pathsep.join([str(TOOLS), str(HERE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
@@ -299,6 +356,13 @@ def _counters(stats: dict[str, Any]) -> dict[str, int]:
     return {k: int(stats[k]) for k in COUNTER_KEYS if k in stats and stats[k] is not None}
 
 
+def _timed_counters(timing: Any) -> dict[str, int]:
+    """The timing wrapper's counters as timed.<key> (empty without +timed)."""
+    if timing is None:
+        return {}
+    return {f"timed.{k}": int(v) for k, v in timing.native_allocator_stats().items()}
+
+
 def _call_timer() -> Optional[Any]:
     """The preloaded CUDA call timer's reader (Note [PyTorch's allocator time]), or None."""
     path = os.environ.get("CACHEALLOC_CALL_TIMER")
@@ -336,8 +400,17 @@ def _expandable_segments(torch: Any) -> Optional[int]:
     return None if any(f is None for f in flags) else sum(bool(f) for f in flags)
 
 
-def check_allocator_before(torch: Any, config: str, cachealloc: Any) -> str:
-    """Checks, before the workload, that the configuration's allocator is in use; returns what was seen."""
+def check_timing_wrapper(config: str, timing: Any) -> None:
+    """For +timed: the timing wrapper must be PyTorch's allocator (nothing replaced it since)."""
+    if config_timed(config) and (timing is None or not timing.is_native_timed()):
+        raise AllocatorMismatch(f"configuration {config}: cachealloc's timing wrapper is not PyTorch's CUDA "
+                                "allocator (cachealloc.is_native_timed() is False)")
+
+
+def check_allocator_before(torch: Any, config: str, cachealloc: Any, timing: Any = None) -> str:
+    """Checks, before the workload, that the configuration's allocator is in use; returns what was seen.
+    Under +timed the wrapper forwards name(), so get_allocator_backend() still names the inner one."""
+    check_timing_wrapper(config, timing)
     kind = config_kind(config)
     backend = torch.cuda.memory.get_allocator_backend()
     if kind in ("native", "expandable"):
@@ -357,21 +430,30 @@ def check_allocator_before(torch: Any, config: str, cachealloc: Any) -> str:
     return backend
 
 
-def check_allocator_after(torch: Any, config: str, stats_delta: dict[str, int]) -> str:
+def check_allocator_after(torch: Any, config: str, stats_delta: dict[str, int], timing: Any = None) -> str:
     """Checks, after the workload, what only shows once memory was allocated."""
     kind = config_kind(config)
+    seen = []
+    if config_timed(config):
+        check_timing_wrapper(config, timing)
+        if stats_delta.get("timed.alloc_calls", 0) <= 0:
+            raise AllocatorMismatch(f"configuration {config}: the timing wrapper counted no allocation during "
+                                    "the measured steps")
+        seen.append(f"{stats_delta['timed.alloc_calls']} allocations through the timing wrapper "
+                    "in the measured steps")
     if kind in ("native", "expandable"):
         n = _expandable_segments(torch)
         if n is None:
-            return "expandable segments: not reported by this torch"
-        if (kind == "expandable") != (n > 0):
+            seen.append("expandable segments: not reported by this torch")
+        elif (kind == "expandable") != (n > 0):
             raise AllocatorMismatch(f"configuration {config}: {n} expandable segment(s) in torch's snapshot")
-        return f"{n} expandable segment(s)"
+        else:
+            seen.append(f"{n} expandable segment(s)")
     if kind == "plugin":
         if stats_delta.get("alloc_calls", 0) <= 0:
             raise AllocatorMismatch("cachealloc counted no allocation during the measured steps")
-        return f"{stats_delta['alloc_calls']} cachealloc allocations in the measured steps"
-    return ""
+        seen.append(f"{stats_delta['alloc_calls']} cachealloc allocations in the measured steps")
+    return "; ".join(seen)
 
 
 def run_workload(spec: dict[str, Any]) -> dict[str, Any]:
@@ -380,6 +462,7 @@ def run_workload(spec: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {k: spec[k] for k in ("workload", "config", "rep", "steps", "warmup")}
     result.update(ok=False, mode=spec.get("mode", "?"), pid=os.getpid())
     cachealloc = None
+    timing = None  # the cachealloc package when +timed (Note [Timing PyTorch's allocator])
     try:
         sys.setswitchinterval(min(sys.getswitchinterval(), spec["sample_ms"] / 1000.0))
         import torch
@@ -398,7 +481,16 @@ def run_workload(spec: dict[str, Any]) -> dict[str, Any]:
             else:
                 result["enabled_by"] = "startup hook"
             cachealloc = _ca
-            result["cachealloc_library"] = _ca.library_path()
+            # the library in use: the adapter's under full:True (the plugin may not even be built)
+            result["cachealloc_library"] = _ca._lib.loaded_torch_path() if _ca.is_full() else _ca.library_path()
+        if config_timed(spec["config"]):  # after enable(): under cachealloc-full the wrapper wraps the adapter
+            if str(TOOLS) not in sys.path:
+                sys.path.insert(0, str(TOOLS))
+            import cachealloc as _ca
+
+            _ca.time_native()  # before CUDA is used: it refuses afterwards
+            timing = _ca
+            result["timing_wrapper"] = _ca._lib.loaded_torch_path()
         if str(HERE) not in sys.path:
             sys.path.insert(0, str(HERE))
         import workloads
@@ -411,7 +503,7 @@ def run_workload(spec: dict[str, Any]) -> dict[str, Any]:
         if device.type == "cuda":
             torch.cuda.set_device(device)
             torch.cuda.mem_get_info(device.index)  # creates the context; allocates nothing
-            result["allocator_backend"] = check_allocator_before(torch, spec["config"], cachealloc)
+            result["allocator_backend"] = check_allocator_before(torch, spec["config"], cachealloc, timing)
             result["gpu"] = torch.cuda.get_device_name(device)
             result["total_memory"] = torch.cuda.get_device_properties(device).total_memory
             sampler = MemorySampler(torch, device.index, spec["sample_ms"] / 1000.0)
@@ -433,7 +525,8 @@ def run_workload(spec: dict[str, Any]) -> dict[str, Any]:
             wl.step(i)
         sync()
         result["warmup_s"] = time.perf_counter() - t_build
-        before = _counters(_read_stats(torch, cachealloc, device)) if device.type == "cuda" else {}
+        before = ({**_counters(_read_stats(torch, cachealloc, device)), **_timed_counters(timing)}
+                  if device.type == "cuda" else {})
         timer = _call_timer() if kind in BUILTIN_CONFIGS else None
         timer_before = timer() if timer else None
         times = []
@@ -451,7 +544,7 @@ def run_workload(spec: dict[str, Any]) -> dict[str, Any]:
             result["samples"] = sampler.samples
         if device.type == "cuda":
             stats = _read_stats(torch, cachealloc, device)
-            after = _counters(stats)
+            after = {**_counters(stats), **_timed_counters(timing)}
             delta = {k: after[k] - before[k] for k in after if k in before}
             steps = spec["steps"]
             result["counters_delta"] = delta
@@ -460,12 +553,22 @@ def run_workload(spec: dict[str, Any]) -> dict[str, Any]:
                 result["allocator_pct_of_step"] = 100.0 * delta["allocator_ns"] / steps / (median_step * 1e9)
             if timer is not None and timer_before is not None:
                 ns, calls = (a - b for a, b in zip(timer(), timer_before))
-                result["allocator_ns_per_step"] = ns / steps
-                result["allocator_pct_of_step"] = 100.0 * ns / steps / (median_step * 1e9)
-                result["allocator_ns_lower_bound"] = True  # CUDA calls only (Note [PyTorch's allocator time])
+                result["cuda_call_ns_per_step"] = ns / steps
                 result["cuda_alloc_calls_per_step"] = calls / steps
+                if timing is None:  # the only figure there is: a lower bound (Note [PyTorch's allocator time])
+                    result["allocator_ns_per_step"] = ns / steps
+                    result["allocator_pct_of_step"] = 100.0 * ns / steps / (median_step * 1e9)
+                    result["allocator_ns_lower_bound"] = True
             if "alloc_calls" in delta:
                 result["allocs_per_step"] = delta["alloc_calls"] / steps
+            if timing is not None and "timed.allocator_ns" in delta:
+                # Exact: everything inside the wrapped allocator's calls (Note [Timing PyTorch's allocator]).
+                result["allocator_ns_per_step"] = delta["timed.allocator_ns"] / steps
+                result["allocator_pct_of_step"] = 100.0 * delta["timed.allocator_ns"] / steps / (median_step * 1e9)
+                result["allocator_ns_lower_bound"] = False
+                result["allocator_ns_source"] = "timing wrapper"
+                result["allocs_per_step"] = delta["timed.alloc_calls"] / steps
+                result["frees_per_step"] = delta["timed.free_calls"] / steps
             calls = [delta[k] for k in DEVICE_CALL_KEYS if k in delta]
             if calls:
                 result["device_calls_per_step"] = sum(calls) / steps
@@ -478,7 +581,7 @@ def run_workload(spec: dict[str, Any]) -> dict[str, Any]:
             except Exception as e:  # the pluggable allocator has no device stats
                 result["torch_max_memory_reserved"] = None
                 result["torch_max_memory_reserved_error"] = f"{type(e).__name__}: {str(e).strip()[:160]}"
-            result["allocator_check"] = check_allocator_after(torch, spec["config"], delta)
+            result["allocator_check"] = check_allocator_after(torch, spec["config"], delta, timing)
         else:
             result["allocator_check"] = "not checked: no CUDA device"
         result["ok"] = True
@@ -554,7 +657,7 @@ def zygote_main(args: argparse.Namespace) -> int:
         sys.path.insert(0, str(TOOLS))
         import workloads  # noqa: F401
 
-        if config_kind(args.config) in ("plugin", "full"):
+        if config_kind(args.config) in ("plugin", "full") or config_timed(args.config):
             import cachealloc  # noqa: F401  - the package only: no torch hooks, no library yet
         ready["import_s"] = time.perf_counter() - t0
         ready["allocator_backend_at_import"] = torch.cuda.memory.get_allocator_backend()
@@ -757,6 +860,13 @@ class Runner:
         self.zygotes.clear()
 
 
+def _is_timed(config: str) -> bool:
+    try:
+        return config_timed(config)
+    except ValueError:
+        return False
+
+
 def _median(values: list[float]) -> Optional[float]:
     return statistics.median(values) if values else None
 
@@ -855,6 +965,7 @@ def verdicts(rows: dict[str, Any]) -> list[str]:
 
 def markdown(args: argparse.Namespace, summary: dict[str, Any], meta: dict[str, Any]) -> str:
     lines = [f"# End-to-end allocator comparison, {meta['date']}", ""]
+    any_timed = any(_is_timed(cfg) for rows in summary.values() for cfg in rows)
     steps = "; ".join(f"{wl} {w} warm-up + {s} measured" for wl, (w, s) in meta.get("steps", {}).items()) \
         or f"{args.warmup} warm-up + {args.steps} measured"
     lines += [
@@ -879,14 +990,21 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any], meta: dict[str, 
         "the run's median step time; for PyTorch's own allocators (marked ≥) only the time of the CUDA "
         "allocation calls they make (cudaMalloc/cudaFree/cudaMallocAsync/cudaFreeAsync, timed by the preloaded "
         "bench/e2e/call_timer), a lower bound of their allocator time; "
-        "device calls/step: device allocs + frees + maps + unmaps + stream-ordered "
+        + ("+timed rows: the allocator inside cachealloc's timing wrapper (cachealloc.time_native()), which "
+           "times every allocation and free of PyTorch's allocator (or of the LibTorch adapter) with the same "
+           "TSC clock as cachealloc's own: exact, no ≥; their allocs/step are the wrapper's calls (zero-byte "
+           "requests included); compare step times on the rows without +timed (the wrapper adds an "
+           "indirection); " if any_timed else "")
+        + "device calls/step: device allocs + frees + maps + unmaps + stream-ordered "
         "pool calls per measured step, from the allocator's counters (PyTorch's num_device_alloc/free where it "
         "has them); all medians over runs",
     ]
     if meta.get("fork") is not None:
         lines += ["- processes: " + "; ".join(f"{c}: {m}" for c, m in meta["fork"].items()),
                   "- allocator verified in every run (get_allocator_backend(), expandable segments in torch's "
-                  "snapshot, cachealloc enabled with the right policy); a run that fails the check is not ok"]
+                  "snapshot, cachealloc enabled with the right policy"
+                  + (", the timing wrapper in place and counting for +timed" if any_timed else "")
+                  + "); a run that fails the check is not ok"]
     if meta.get("estimate"):
         lines.append(f"- time: {meta['estimate']}")
     for wl, rows in summary.items():
@@ -981,7 +1099,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
                    help="comma-separated: gpt2, resnet50, pipeline (default: all)")
     p.add_argument("--configs", default=None,
-                   help="comma-separated: native, expandable, async, cachealloc:<policy>, cachealloc-full:<policy> "
+                   help="comma-separated: native, expandable, async, cachealloc:<policy>, cachealloc-full:<policy>, "
+                        "each optionally +timed (not cachealloc:<p>), +env:NAME=VALUE, cachealloc ones +key:value "
                         "(default: the first three and cachealloc:<p> for every registered policy)")
     p.add_argument("--steps", type=int, default=None,
                    help="measured steps per run, every workload (default per workload: gpt2 8, resnet50 20, pipeline 20)")
@@ -1040,6 +1159,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.dry_run:
         for i, (rep, wl, cfg) in enumerate(plan):
             env = " ".join(f"{k}={v}" for k, v in config_env(cfg).items()) or "(no allocator variable)"
+            if config_timed(cfg):
+                env += " + timing wrapper (cachealloc.time_native())"
             w, s = steps[wl]
             print(f"run {i + 1}/{len(plan)} {wl} {cfg} rep={rep + 1} warmup={w} steps={s} {env}")
         print(f"mode: {'one subprocess per run (--no-fork)' if args.no_fork else 'fork server: one zygote per configuration'}")

@@ -28,6 +28,17 @@ Under a pluggable allocator ``torch.cuda.memory_stats()`` and friends raise, so 
 :func:`dump_snapshot` from this package (they fall back to PyTorch's own functions when
 cachealloc is not enabled, so the same code works both ways).
 
+To compare with PyTorch's own allocators on equal terms, :func:`time_native` wraps whatever CUDA
+allocator PyTorch has (native, ``expandable_segments``, ``backend:cudaMallocAsync``) in a thin
+forwarding wrapper from ``libcachealloc_torch.so`` that times its allocations and frees the way
+cachealloc times its own (``allocator_ns``); read it with :func:`native_allocator_ns` and
+:func:`native_allocator_stats`::
+
+    import torch, cachealloc
+    cachealloc.time_native()          # before the first CUDA tensor
+    ...                               # train
+    print(cachealloc.native_allocator_stats())
+
 Importing this package imports neither torch nor the shared library; both are loaded on first use.
 """
 
@@ -54,6 +65,10 @@ __all__ = [
     "validate_config",
     "check_invariants",
     "library_path",
+    "time_native",
+    "is_native_timed",
+    "native_allocator_ns",
+    "native_allocator_stats",
     "LibraryNotFound",
 ]
 
@@ -63,6 +78,7 @@ _enable_lock = threading.Lock()
 _enabled_conf: Optional[str] = None  # the CACHEALLOC_CONF in force once enabled
 _pluggable: Any = None  # keeps the CUDAPluggableAllocator object alive
 _full = False  # enabled through libcachealloc_torch.so
+_native_timed = False  # time_native() installed the timing wrapper
 
 DeviceLike = Union[None, int, str, Any]
 
@@ -150,6 +166,12 @@ def enable(conf: Optional[str] = None, full: Optional[bool] = None) -> None:
                 f"allocator of a running process cannot be reconfigured (asked for {conf!r}). "
                 "Start a new process with the new CACHEALLOC_CONF."
             )
+        if _native_timed:
+            raise RuntimeError(
+                "cachealloc.enable() was called after cachealloc.time_native(): the timing wrapper is "
+                "PyTorch's allocator now and would be replaced. Call enable(conf, full=True) first and "
+                "time_native() after it to time cachealloc's adapter the same way."
+            )
         import torch
 
         if not hasattr(torch._C, "_cuda_customAllocator"):
@@ -207,10 +229,9 @@ def enable(conf: Optional[str] = None, full: Optional[bool] = None) -> None:
         _enabled_conf = os.environ.get("CACHEALLOC_CONF", "")
 
 
-def _enable_full(torch: Any, conf: str) -> None:
-    """Installs libcachealloc_torch.so (cachealloc::torch::install) after checking its version."""
-    import ctypes
-
+def _load_torch_checked(torch: Any, remedy: str) -> Any:
+    """libcachealloc_torch.so, after checking it was built for the running PyTorch (its classes
+    implement PyTorch's C++ allocator interface, which changes between releases)."""
     from . import _lib
 
     lib = _lib.load_torch()
@@ -219,16 +240,115 @@ def _enable_full(torch: Any, conf: str) -> None:
     if built_for != running:
         raise RuntimeError(
             f"cachealloc: {_lib.loaded_torch_path()} was built against PyTorch {built_for}, but this "
-            f"process runs PyTorch {torch.__version__}. The full adapter implements PyTorch's C++ "
+            f"process runs PyTorch {torch.__version__}. libcachealloc_torch.so implements PyTorch's C++ "
             "allocator interface, which changes between releases: rebuild cachealloc against this "
-            "PyTorch, or drop full:True to use the pluggable allocator."
+            f"PyTorch{remedy}."
         )
+    return lib
+
+
+def _enable_full(torch: Any, conf: str) -> None:
+    """Installs libcachealloc_torch.so (cachealloc::torch::install) after checking its version."""
+    import ctypes
+
+    lib = _load_torch_checked(torch, ", or drop full:True to use the pluggable allocator")
     err = ctypes.create_string_buffer(8192)
     if lib.cachealloc_torch_install(conf.encode("utf-8"), err, len(err)) != 0:
         message = err.value.decode("utf-8", "replace")
         if "already" in message:
             raise RuntimeError(message)
         raise ValueError(message)
+
+
+def time_native() -> None:
+    """Times PyTorch's own CUDA allocator from the inside, the way cachealloc times itself.
+
+    Wraps the CUDA allocator PyTorch has now (its caching allocator, with or without
+    ``expandable_segments:True``; ``backend:cudaMallocAsync``; or cachealloc's full adapter when
+    ``enable(..., full=True)`` ran first) in a thin wrapper from libcachealloc_torch.so that
+    forwards every call and adds up, with the TSC, the time spent in its allocation calls
+    (allocate, raw_alloc, raw_alloc_with_stream) and frees (tensor deleters, raw_delete). Read the
+    totals with :func:`native_allocator_ns` and :func:`native_allocator_stats`. PyTorch's memory
+    API (torch.cuda.memory_stats(), get_allocator_backend(), empty_cache(), snapshots, CUDA graphs)
+    keeps answering as before: the wrapper forwards it. Must run before CUDA is initialised;
+    calling it again does nothing.
+
+    Raises RuntimeError when CUDA is already initialised, cachealloc's pluggable allocator is
+    enabled (it times itself: :func:`allocator_ns`), this PyTorch lacks CUDA, the wrapper cannot be
+    installed, or libcachealloc_torch.so was built for another PyTorch version; LibraryNotFound
+    when the library is missing.
+    """
+    global _native_timed
+    import ctypes
+
+    with _enable_lock:
+        if _native_timed:
+            return
+        import torch
+
+        if not hasattr(torch._C, "_cuda_customAllocator"):
+            raise RuntimeError(
+                f"cachealloc.time_native() needs a CUDA build of PyTorch; this one ({torch.__version__}) "
+                "has no CUDA support."
+            )
+        if _enabled_conf is not None and not _full:
+            raise RuntimeError(
+                "cachealloc.time_native(): cachealloc's pluggable allocator is enabled; it times itself "
+                "(cachealloc.allocator_ns()). time_native() wraps PyTorch's own allocators, or the full "
+                "adapter (enable(conf, full=True) first)."
+            )
+        if _cuda_initialized(torch):
+            raise RuntimeError(
+                "cachealloc.time_native() was called after CUDA was initialised in this process; the "
+                "allocator in use cannot be wrapped any more (its tensors would be freed around the "
+                "wrapper). Call it right after `import torch`, before anything touches the GPU."
+            )
+        lib = _load_torch_checked(torch, "")
+        from . import _lib
+
+        if not _lib.has_time_native(lib):
+            raise RuntimeError(
+                f"cachealloc.time_native(): {_lib.loaded_torch_path()} predates the timing wrapper "
+                "(no cachealloc_torch_time_native_install); rebuild libcachealloc_torch.so."
+            )
+        err = ctypes.create_string_buffer(8192)
+        if lib.cachealloc_torch_time_native_install(err, len(err)) != 0:
+            raise RuntimeError(err.value.decode("utf-8", "replace"))
+        _native_timed = True
+
+
+def is_native_timed() -> bool:
+    """True while :func:`time_native`'s wrapper is PyTorch's CUDA allocator in this process."""
+    if not _native_timed:
+        return False
+    from . import _lib
+
+    return bool(_lib.load_torch().cachealloc_torch_time_native_is_installed())
+
+
+def native_allocator_ns() -> int:
+    """Nanoseconds spent inside the allocator :func:`time_native` wraps, allocations and frees,
+    over every device since it was installed (0 when it is not)."""
+    if not _native_timed:
+        return 0
+    from . import _lib
+
+    return int(_lib.load_torch().cachealloc_torch_time_native_ns())
+
+
+def native_allocator_stats() -> dict[str, int]:
+    """The counters of :func:`time_native`'s wrapper, over every device since it was installed:
+    ``allocator_ns`` (= ``alloc_ns`` + ``free_ns``), ``alloc_calls`` (allocate, raw_alloc,
+    raw_alloc_with_stream; zero-byte requests included) and ``free_calls`` (tensor deleters and
+    raw_delete). All zero when the wrapper is not installed."""
+    keys = ("alloc_ns", "free_ns", "alloc_calls", "free_calls")
+    if not _native_timed:
+        return {"allocator_ns": 0, **{k: 0 for k in keys}}
+    from . import _lib
+
+    lib = _lib.load_torch()
+    out = {k: int(getattr(lib, f"cachealloc_torch_time_native_{k}")()) for k in keys}
+    return {"allocator_ns": out["alloc_ns"] + out["free_ns"], **out}
 
 
 def _device_index(device: DeviceLike) -> int:

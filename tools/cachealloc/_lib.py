@@ -8,8 +8,9 @@ Search order for the library (first hit wins):
 3. the build tree of the repository the package was installed from (recorded at install time in
    ``_build_info.py``) or, when running from a checkout, ``<repo>/build*/allocator/plugin/``.
 
-The LibTorch adapter ``libcachealloc_torch.so`` (``cachealloc.enable(full=True)``) is found the
-same way: ``CACHEALLOC_TORCH_LIBRARY``, next to this package, ``<repo>/build*/allocator/torch/``.
+The LibTorch adapter ``libcachealloc_torch.so`` (``cachealloc.enable(full=True)``, and the timing
+wrapper of ``cachealloc.time_native()``) is found the same way: ``CACHEALLOC_TORCH_LIBRARY``, next
+to this package, ``<repo>/build*/allocator/torch/``.
 """
 
 from __future__ import annotations
@@ -107,8 +108,14 @@ def load_torch() -> ctypes.CDLL:
             path = find_torch_library()
             lib = ctypes.CDLL(path)
             _declare(lib, _TORCH_SIGNATURES)
+            _declare(lib, _TORCH_TIMING_SIGNATURES, optional=True)
             _torch_lib, _torch_lib_path = lib, path
         return _torch_lib
+
+
+def has_time_native(lib: ctypes.CDLL) -> bool:
+    """True when `lib` (libcachealloc_torch.so) has the timing wrapper's entry points."""
+    return all(hasattr(lib, name) for name in _TORCH_TIMING_SIGNATURES)
 
 
 def loaded_torch_path() -> Optional[str]:
@@ -149,10 +156,23 @@ _TORCH_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "cachealloc_torch_version": (ctypes.c_char_p, []),
     "cachealloc_torch_allocator_ns": (ctypes.c_uint64, [ctypes.c_int]),
 }
+# The timing wrapper's entry points (cachealloc.time_native()); optional, so that a library built
+# before they existed still serves enable(full=True). has_time_native() says whether they are there.
+_TORCH_TIMING_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
+    "cachealloc_torch_time_native_install": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_size_t]),
+    "cachealloc_torch_time_native_is_installed": (ctypes.c_int, []),
+    "cachealloc_torch_time_native_ns": (ctypes.c_uint64, []),
+    "cachealloc_torch_time_native_alloc_ns": (ctypes.c_uint64, []),
+    "cachealloc_torch_time_native_free_ns": (ctypes.c_uint64, []),
+    "cachealloc_torch_time_native_alloc_calls": (ctypes.c_uint64, []),
+    "cachealloc_torch_time_native_free_calls": (ctypes.c_uint64, []),
+}
 
 
-def _declare(lib: ctypes.CDLL, signatures: dict[str, tuple[Any, list[Any]]]) -> None:
+def _declare(lib: ctypes.CDLL, signatures: dict[str, tuple[Any, list[Any]]], optional: bool = False) -> None:
     for name, (restype, argtypes) in signatures.items():
+        if optional and not hasattr(lib, name):
+            continue
         fn = getattr(lib, name)
         fn.restype = restype
         fn.argtypes = argtypes
