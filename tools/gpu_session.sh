@@ -15,7 +15,8 @@
 #                                      # alone on the machine, then an e2e subset (E2E_ARGS)
 #   bash tools/gpu_session.sh check    # pytest (plugin, async stats, adapter), OOM recovery per
 #                                      # policy, racecheck: the gpu stage without its benchmarks
-#   bash tools/gpu_session.sh probe    # the GPU suite, PYTEST_SELECT (if set) under PROBE_ENV, the
+#   bash tools/gpu_session.sh probe    # the GPU suite (PROBE_MEMCHECK=full: under memcheck),
+#                                      # PYTEST_SELECT (if set) under PROBE_ENV, the
 #                                      # GPU micro benchmarks matching MICRO_FILTER (if set), the e2e
 #                                      # workloads recorded as snapshots ($OUT/traces), then an e2e
 #                                      # subset (E2E_ARGS, E2E_REPS)
@@ -322,8 +323,13 @@ elif [[ $stage == bench ]]; then
 elif [[ $stage == probe ]]; then
   # A change that needs the GPU's word and fresh data: the GPU suite, one pytest file under extra
   # environment (PROBE_ENV="NAME=VALUE ..."), the e2e workloads recorded as snapshots for
-  # replays here, then an e2e subset.
-  step gpu_suite_quick 150 "$SUITE_FIGURE" gpu_suite_quick
+  # replays here, then an e2e subset. PROBE_MEMCHECK=full: the whole suite under memcheck instead
+  # of the plain suite (as CLOSING_MEMCHECK=full in the closing stage).
+  if [[ ${PROBE_MEMCHECK:-} == full ]]; then
+    step gpu_suite_memcheck 200 "$MEMCHECK_FIGURE" gpu_suite_memcheck
+  else
+    step gpu_suite_quick 150 "$SUITE_FIGURE" gpu_suite_quick
+  fi
   if [[ -n ${PYTEST_SELECT:-} ]]; then
     step pytest 120 'grep -hE "[0-9]+ (passed|failed)" "$WORK"/pytest_*.log' "env ${PROBE_ENV:-} bash -c pytest_tools"
   fi
