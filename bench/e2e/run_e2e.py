@@ -92,6 +92,8 @@ What is measured, the same way for every configuration, in the run's process:
                        wrapper's timed.alloc_calls (+timed, zero-byte requests included);
                        "device calls/step" counts device allocs + frees + maps + unmaps + pool
                        calls.
+  allocator ns per step  allocator_ns_steps in the JSON: the same allocator time (cachealloc's own,
+                       or the +timed wrapper's), read after every measured step, step by step.
   torch max_memory_reserved   torch.cuda.max_memory_reserved() at the end of the run: PyTorch's
                        own figure (native, expandable, async, and the LibTorch adapter); it
                        raises under the pluggable allocator (shown as –).
@@ -530,12 +532,25 @@ def run_workload(spec: dict[str, Any]) -> dict[str, Any]:
         timer = _call_timer() if kind in BUILTIN_CONFIGS else None
         timer_before = timer() if timer else None
         times = []
+        # Allocator ns after every measured step (outside the step's time): where in the run the
+        # allocator's time goes (a job that settles spends it in its first steps).
+        step_ns = None
+        if device.type == "cuda":
+            if timing is not None:
+                step_ns = timing.native_allocator_ns
+            elif kind in ("plugin", "full"):
+                step_ns = lambda: cachealloc.allocator_ns(device)  # noqa: E731
+        marks = [step_ns()] if step_ns is not None else None
         for i in range(spec["warmup"], spec["warmup"] + spec["steps"]):
             t0 = time.perf_counter()
             wl.step(i)
             sync()
             times.append(time.perf_counter() - t0)
+            if marks is not None:
+                marks.append(step_ns())
         result["step_s"] = times
+        if marks is not None:
+            result["allocator_ns_steps"] = [b - a for a, b in zip(marks, marks[1:])]
         result["median_step_s"] = median_step = statistics.median(times)
         if sampler is not None:
             peak = sampler.stop()
