@@ -51,8 +51,8 @@ for flavour in "${flavours[@]}"; do
   cmake -S . -B "build-$flavour" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DCACHEALLOC_SANITIZER="$flavour" -DCACHEALLOC_WITH_CUDA=OFF -DCACHEALLOC_BUILD_BENCH=ON \
     -DCACHEALLOC_WERROR=OFF  # GCC 12 + sanitizers: false -Wmaybe-uninitialized in Catch2's std::regex
-  # Only what ctest runs in this flavour (no cachealloc-replay CLI).
-  cmake --build "build-$flavour" -j"$jobs" --target cachealloc_tests cachealloc-micro
+  # Only what ctest runs in this flavour (no cachealloc-replay CLI; its library, for the cold replay).
+  cmake --build "build-$flavour" -j"$jobs" --target cachealloc_tests cachealloc-micro cachealloc-cold-replay
   if [[ $flavour == thread ]]; then
     # Every TSan report fails the test (exit code 66); no suppressions. Counts: Note [TSan in CI].
     export TSAN_OPTIONS="${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1}"
