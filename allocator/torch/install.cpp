@@ -28,6 +28,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -155,14 +156,12 @@ void copy_message(const char* text, char* buf, std::size_t len) noexcept {
   buf[n] = '\0';
 }
 
-}  // namespace
-
-/// Installs the adapter (cachealloc::torch::install). 0 on success; -1 with the message in `err`
-/// (at most `len` bytes with the NUL).
-extern "C" int cachealloc_torch_install(const char* conf, char* err,
-                                                                               std::size_t len) {
+/// Runs `install` for the C entry point `name`: 0, or -1 with the error's message in `err` (at
+/// most `len` bytes with the NUL).
+template <class F>
+int guarded_install(const char* name, char* err, std::size_t len, F&& install) noexcept {
   try {
-    cachealloc::torch::install(conf != nullptr ? conf : "");
+    install();
     copy_message("", err, len);
     return 0;
   } catch (const c10::Error& e) {
@@ -170,9 +169,21 @@ extern "C" int cachealloc_torch_install(const char* conf, char* err,
   } catch (const std::exception& e) {
     copy_message(e.what(), err, len);
   } catch (...) {
-    copy_message("cachealloc_torch_install: unknown error", err, len);
+    char text[128];
+    std::snprintf(text, sizeof text, "%s: unknown error", name);
+    copy_message(text, err, len);
   }
   return -1;
+}
+
+}  // namespace
+
+/// Installs the adapter (cachealloc::torch::install). 0 on success; -1 with the message in `err`
+/// (at most `len` bytes with the NUL).
+extern "C" int cachealloc_torch_install(const char* conf, char* err,
+                                                                               std::size_t len) {
+  return guarded_install("cachealloc_torch_install", err, len,
+                         [&] { cachealloc::torch::install(conf != nullptr ? conf : ""); });
 }
 
 /// 1 once installed in this process, else 0.
@@ -203,18 +214,8 @@ extern "C" std::uint64_t cachealloc_torch_allocator_ns(int device) {
 /// Installs the timing wrapper around PyTorch's current CUDA allocator
 /// (cachealloc::torch::time_native_install). 0 on success; -1 with the message in `err`.
 extern "C" int cachealloc_torch_time_native_install(char* err, std::size_t len) {
-  try {
-    cachealloc::torch::time_native_install();
-    copy_message("", err, len);
-    return 0;
-  } catch (const c10::Error& e) {
-    copy_message(e.what_without_backtrace(), err, len);
-  } catch (const std::exception& e) {
-    copy_message(e.what(), err, len);
-  } catch (...) {
-    copy_message("cachealloc_torch_time_native_install: unknown error", err, len);
-  }
-  return -1;
+  return guarded_install("cachealloc_torch_time_native_install", err, len,
+                         [] { cachealloc::torch::time_native_install(); });
 }
 
 /// 1 while the timing wrapper is PyTorch's CUDA allocator, else 0.
