@@ -63,6 +63,11 @@ Its indirection costs a little per call (a virtual call, two TSC reads, two atom
 free also a deleter trampoline), so step times are compared on the untimed rows; the +timed rows
 are for allocator µs/step, % of step and allocs/step, which they report exactly (no ≥). Needs
 libcachealloc_torch.so built for the running PyTorch (like cachealloc-full).
+What cachealloc's own allocator_ns leaves out: under cachealloc-full:<p> the adapter's glue around
+its pools (DataPtr, per-allocation bookkeeping; session 8 on the H200: resnet50 1,760 µs/step by
+the wrapper against 888 µs by allocator_ns), and under cachealloc:<p> PyTorch's
+CUDAPluggableAllocator around our hooks, which +timed cannot wrap (its DataPtr context is not the
+data pointer).
 
 What is measured, the same way for every configuration, in the run's process:
   peak device memory   used = total - free of the device, sampled every --sample-ms (default
