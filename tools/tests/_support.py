@@ -106,6 +106,45 @@ def need_gpu() -> None:
         skip("no CUDA device visible: GPU tests need one")
 
 
+def torch_adapter_library() -> str:
+    """libcachealloc_torch.so: CACHEALLOC_TORCH_LIBRARY if set (it must exist), else the one the
+    cachealloc package finds; skips when it is not built."""
+    env = os.environ.get("CACHEALLOC_TORCH_LIBRARY")
+    if env:
+        if not Path(env).is_file():
+            raise AssertionError(f"CACHEALLOC_TORCH_LIBRARY={env!r} is not a file")
+        return env
+    sys.path.insert(0, str(TOOLS))
+    try:
+        from cachealloc import _lib
+
+        return _lib.find_torch_library()
+    except Exception:
+        skip("libcachealloc_torch.so is not built (cmake with LibTorch, see README.md)")
+        raise  # unreachable
+    finally:
+        sys.path.pop(0)
+
+
+# A block used by a busy side stream (record_stream), freed, then a request of its size: the
+# script leaves `ptr` (the freed block), `y` (the new one) and `side_done` for the caller's check.
+# Needs `torch` and `MiB` defined.
+RECORD_STREAM_ON_BUSY_SIDE = """
+side = torch.cuda.Stream()
+x = torch.empty(8 * MiB, dtype=torch.uint8, device='cuda')
+side.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(side):
+    torch.cuda._sleep(200_000_000)  # keeps the side stream busy
+    x.add_(1)
+x.record_stream(side)
+ptr = x.data_ptr()
+del x
+y = torch.empty(8 * MiB, dtype=torch.uint8, device='cuda')
+side_done = side.query()
+print('REUSED', y.data_ptr() == ptr, 'SIDE_DONE', side_done)
+"""
+
+
 def need_plugin_gpu() -> str:
     """The plugin library's path; skips the test when it is not built or there is no GPU."""
     lib = plugin_library()

@@ -17,13 +17,19 @@ not in a build*/ tree.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _support import TOOLS, need_gpu, parametrize, run_python, skip  # noqa: E402
+from _support import (  # noqa: E402
+    RECORD_STREAM_ON_BUSY_SIDE,
+    need_gpu,
+    parametrize,
+    run_python,
+    skip,
+    torch_adapter_library,
+)
 
 # PyTorch's allocators, as bench/e2e/run_e2e.py sets them up: name -> PYTORCH_CUDA_ALLOC_CONF.
 BACKENDS = {"native": "", "expandable": "expandable_segments:True", "async": "backend:cudaMallocAsync"}
@@ -33,22 +39,7 @@ BACKEND_NAME = {"native": "native", "expandable": "native", "async": "cudaMalloc
 def _adapter_library() -> str:
     """libcachealloc_torch.so with the timing wrapper; skips when it is not built, or was built
     before the wrapper existed (its entry point's name is not in the file)."""
-    env = os.environ.get("CACHEALLOC_TORCH_LIBRARY")
-    if env:
-        if not Path(env).is_file():
-            raise AssertionError(f"CACHEALLOC_TORCH_LIBRARY={env!r} is not a file")
-        lib = env
-    else:
-        sys.path.insert(0, str(TOOLS))
-        try:
-            from cachealloc import _lib
-
-            lib = _lib.find_torch_library()
-        except Exception:
-            skip("libcachealloc_torch.so is not built (cmake with LibTorch, see README.md)")
-            raise  # unreachable
-        finally:
-            sys.path.pop(0)
+    lib = torch_adapter_library()
     if b"cachealloc_torch_time_native_install" not in Path(lib).read_bytes():
         skip(f"{lib} predates the timing wrapper: rebuild libcachealloc_torch.so "
              "(or point CACHEALLOC_TORCH_LIBRARY at a new one)")
@@ -143,19 +134,7 @@ def test_record_stream_still_defers_reuse(backend):
     """The native allocator ignores record_stream for a DataPtr whose deleter is not its own; the
     wrapper puts the inner deleter back for it (Note [Timing another allocator's frees])."""
     lib = _need_gpu()
-    _run(lib, backend, """
-side = torch.cuda.Stream()
-x = torch.empty(8 * MiB, dtype=torch.uint8, device='cuda')
-side.wait_stream(torch.cuda.current_stream())
-with torch.cuda.stream(side):
-    torch.cuda._sleep(200_000_000)  # keeps the side stream busy
-    x.add_(1)
-x.record_stream(side)
-ptr = x.data_ptr()
-del x
-y = torch.empty(8 * MiB, dtype=torch.uint8, device='cuda')
-side_done = side.query()
-print('REUSED', y.data_ptr() == ptr, 'SIDE_DONE', side_done)
+    _run(lib, backend, RECORD_STREAM_ON_BUSY_SIDE + """
 assert y.data_ptr() != ptr or side_done, 'record_stream was lost: a block still used by another stream was reused'
 torch.cuda.synchronize()
 """)

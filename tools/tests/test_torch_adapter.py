@@ -26,39 +26,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _support import (  # noqa: E402
+    RECORD_STREAM_ON_BUSY_SIDE,
     REPO,
-    TOOLS,
     autoload_prefix,
     clean_env,
     need_gpu,
     parametrize,
     run_python,
     skip,
+    torch_adapter_library,
 )
 
 POLICIES = ["native", "size_class", "defrag", "async"]
 GRAPH_POLICIES = ["native", "size_class", "defrag"]  # policy:async refuses graphs (see README)
 
-def _adapter_library() -> str:
-    env = os.environ.get("CACHEALLOC_TORCH_LIBRARY")
-    if env:
-        if not Path(env).is_file():
-            raise AssertionError(f"CACHEALLOC_TORCH_LIBRARY={env!r} is not a file")
-        return env
-    sys.path.insert(0, str(TOOLS))
-    try:
-        from cachealloc import _lib
-
-        return _lib.find_torch_library()
-    except Exception:
-        skip("libcachealloc_torch.so is not built (cmake with LibTorch, see README.md)")
-        raise  # unreachable
-    finally:
-        sys.path.pop(0)
-
-
 def _need_gpu() -> str:
-    lib = _adapter_library()
+    lib = torch_adapter_library()
     need_gpu()
     return lib
 
@@ -87,7 +70,7 @@ def _run(lib: str, policy: str, body: str, timeout: float = 600) -> str:
 
 
 def test_bad_config_is_refused_with_the_reason():
-    lib = _adapter_library()
+    lib = torch_adapter_library()
     r = run_python(
         "import torch, cachealloc\n"
         "try:\n"
@@ -103,7 +86,7 @@ def test_bad_config_is_refused_with_the_reason():
 
 
 def test_other_torch_version_is_refused():
-    lib = _adapter_library()
+    lib = torch_adapter_library()
     r = run_python(
         "import torch, cachealloc\n"
         "torch.__version__ = '0.0.1'\n"
@@ -117,7 +100,7 @@ def test_other_torch_version_is_refused():
 
 
 def test_install_sets_the_backend_name_without_touching_cuda():
-    lib = _adapter_library()
+    lib = torch_adapter_library()
     r = run_python(
         "import torch, cachealloc\n"
         "cachealloc.enable('policy:defrag,full:True')\n"
@@ -233,21 +216,9 @@ torch.cuda.memory._record_memory_history(enabled=None)
 @parametrize("policy", POLICIES)
 def test_record_stream_defers_reuse(policy):
     lib = _need_gpu()
-    _run(lib, policy, """
-side = torch.cuda.Stream()
-x = torch.empty(8 * MiB, dtype=torch.uint8, device='cuda')
-side.wait_stream(torch.cuda.current_stream())
-with torch.cuda.stream(side):
-    torch.cuda._sleep(200_000_000)  # keeps the side stream busy
-    x.add_(1)
-x.record_stream(side)
-ptr = x.data_ptr()
-del x
-y = torch.empty(8 * MiB, dtype=torch.uint8, device='cuda')
+    _run(lib, policy, RECORD_STREAM_ON_BUSY_SIDE + """
 # The block may come back only once the side stream finished with it: handed out again while
 # the side stream still runs is the bug. (Waiting for the side stream, then reusing, is sound.)
-side_done = side.query()
-print('REUSED', y.data_ptr() == ptr, 'SIDE_DONE', side_done)
 if policy != 'async':  # the async pool may reuse it behind an event dependency instead
     assert y.data_ptr() != ptr or side_done, 'a block still used by another stream was reused'
 torch.cuda.synchronize()
