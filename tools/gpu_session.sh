@@ -334,7 +334,7 @@ elif [[ $stage == probe ]]; then
     step pytest 120 'grep -hE "[0-9]+ (passed|failed)" "$WORK"/pytest_*.log' "env ${PROBE_ENV:-} bash -c pytest_tools"
   fi
   if [[ -n ${MICRO_FILTER:-} ]]; then
-    step micro_filter 120 'grep -E "^\| vmm_" "$WORK/micro_filter.md" | tr -d " " | tr "\n" " "' \
+    step micro_filter 120 'grep -E "^\| (vmm_|pool_)" "$WORK/micro_filter.md" | tr -d " " | tr "\n" " "' \
       '"$B/cachealloc-micro-cuda" --benchmark_filter="$MICRO_FILTER" --summary-md="$WORK/micro_filter.md"'
   fi
   if [[ ${RECORD_E2E:-1} != 0 ]]; then

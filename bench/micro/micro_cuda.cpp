@@ -219,7 +219,8 @@ struct Median {
   double ns;
 };
 std::vector<Median> g_medians;
-std::vector<std::pair<std::string, double>> g_vmm;  // vmm_* benchmarks: (name, ns)
+std::vector<std::pair<std::string, double>> g_vmm;   // vmm_* benchmarks: (name, ns)
+std::vector<std::pair<std::string, double>> g_pool;  // pool_* benchmarks: (name, ns)
 
 double to_ns(double t, benchmark::TimeUnit unit) {
   switch (unit) {
@@ -244,8 +245,8 @@ class CollectingReporter final : public benchmark::ConsoleReporter {
       }
       // "pair/<alloc>/512" -> family "pair/512", alloc "<alloc>"
       const std::string name = r.run_name.str();
-      if (name.starts_with("vmm_")) {  // not an allocator: a table of its own
-        g_vmm.emplace_back(name, to_ns(r.GetAdjustedRealTime(), r.time_unit));
+      if (name.starts_with("vmm_") || name.starts_with("pool_")) {  // not allocators: tables of their own
+        (name.starts_with("vmm_") ? g_vmm : g_pool).emplace_back(name, to_ns(r.GetAdjustedRealTime(), r.time_unit));
         continue;
       }
       const auto a = name.find('/');
@@ -332,6 +333,16 @@ std::string report_ratios() {
       md += "| " + name + " | " + us(ns) + " |\n";
     }
   }
+  if (!g_pool.empty()) {
+    md += "\nStream-ordered pool calls through our backend, as policy async and the front end make them "
+          "(pool_pair/N: allocate_async + free_async of N MiB on one stream, warm pool; "
+          "pool_reserved_read: one cudaMemPoolGetAttribute(ReservedMemCurrent); pool_event: record + query "
+          "+ give back one pooled event; pool_stream_wait: an event recorded on one stream and waited for "
+          "on another)\n\n| benchmark | us per iteration |\n|---|---:|\n";
+    for (const auto& [name, ns] : g_pool) {
+      md += "| " + name + " | " + us(ns) + " |\n";
+    }
+  }
   return md;
 }
 
@@ -396,6 +407,70 @@ void vmm_map_run(benchmark::State& state) {
     v.release_physical(p.handle, page);
   }
   v.free_address(va, pages * page);
+}
+
+// ---- the stream-ordered pool calls behind policy async ------------------------------------
+// What one driver call of policy async (and of the front end's cross-stream frees) costs, made
+// through our CUDA stream-ordered backend exactly as the policy makes them, so that per-step
+// allocator times in the e2e tables can be read as "calls x cost".
+DeviceBackend& pool_backend() {
+  static Config config;
+  static std::unique_ptr<DeviceBackend> backend = make_cuda_backend("stream_ordered", 0, config);
+  return *backend;
+}
+StreamOrderedMemory& pool() {
+  StreamOrderedMemory* p = pool_backend().stream_ordered();
+  if (p == nullptr) {
+    throw std::runtime_error("the stream_ordered backend has no pool");
+  }
+  return *p;
+}
+
+void pool_pair(benchmark::State& state) {
+  StreamOrderedMemory& p = pool();
+  const std::size_t bytes = static_cast<std::size_t>(state.range(0)) << 20;
+  const StreamId s = to_stream_id(g_streams[0]);
+  for (auto _ : state) {
+    void* ptr = p.allocate_async(bytes, s);
+    if (ptr == nullptr) {
+      state.SkipWithError("allocate_async failed");
+      break;
+    }
+    p.free_async(ptr, s);
+  }
+}
+
+void pool_reserved_read(benchmark::State& state) {
+  StreamOrderedMemory& p = pool();
+  std::size_t sum = 0;
+  for (auto _ : state) {
+    sum += p.reserved_current();
+  }
+  benchmark::DoNotOptimize(sum);
+}
+
+void pool_event(benchmark::State& state) {
+  DeviceBackend& b = pool_backend();
+  const StreamId s = to_stream_id(g_streams[0]);
+  cuda_check(cudaStreamSynchronize(g_streams[0]), "cudaStreamSynchronize");
+  for (auto _ : state) {
+    const EventId e = b.record_event(s);
+    benchmark::DoNotOptimize(b.query_event(e));
+    b.destroy_event(e);
+  }
+}
+
+void pool_stream_wait(benchmark::State& state) {
+  DeviceBackend& b = pool_backend();
+  StreamOrderedMemory& p = pool();
+  const StreamId producer = to_stream_id(g_streams[0]);
+  const StreamId consumer = to_stream_id(g_streams[1]);
+  for (auto _ : state) {
+    const EventId e = b.record_event(consumer);
+    p.make_stream_wait(producer, e);
+    b.destroy_event(e);
+  }
+  cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 }
 
 int main(int argc, char** argv) {
@@ -466,6 +541,16 @@ int main(int argc, char** argv) {
       tune(b);
     }
 
+    {
+      auto* b = benchmark::RegisterBenchmark("pool_pair", pool_pair);
+      for (std::int64_t mib : {1, 8, 64}) {
+        b->Arg(mib);
+      }
+      tune(b);
+      tune(benchmark::RegisterBenchmark("pool_reserved_read", pool_reserved_read));
+      tune(benchmark::RegisterBenchmark("pool_event", pool_event));
+      tune(benchmark::RegisterBenchmark("pool_stream_wait", pool_stream_wait));
+    }
     for (auto [name, fn] : {std::pair{"vmm_create", &vmm_create}, std::pair{"vmm_map", &vmm_map},
                             std::pair{"vmm_map_run", &vmm_map_run}}) {
       auto* b = benchmark::RegisterBenchmark(name, fn);

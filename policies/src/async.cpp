@@ -118,8 +118,7 @@ AsyncPolicy::Slab* AsyncPolicy::new_slab(StreamId stream) {
     throw;
   }
   slab_bytes_ += kSlabBytes;
-  refresh_reserved();
-  return slabs_.back().get();
+  return slabs_.back().get();  // reserved bytes are read lazily (Note [Reserved bytes read lazily])
 }
 
 Block AsyncPolicy::allocate_small(std::size_t size, StreamId stream) {
@@ -234,8 +233,8 @@ Block AsyncPolicy::allocate(std::size_t bytes, StreamId stream) {
     ptr = pool_.allocate_async(size, stream);
     ++pool_calls_;
   }
-  refresh_reserved();
   if (ptr == nullptr) {
+    refresh_reserved();  // the front end's retry chain and its out-of-memory message read it
     return {};
   }
   live_bytes_ += size;
@@ -334,10 +333,25 @@ void AsyncPolicy::drain_cache() noexcept {
   }
 }
 
-void AsyncPolicy::refresh_reserved() noexcept {
+void AsyncPolicy::refresh_reserved() const noexcept {
   try {
     reserved_ = pool_.reserved_current();
   } catch (...) {  // NOLINT(bugprone-empty-catch): keep the last value the pool reported
+  }
+}
+
+std::size_t AsyncPolicy::reserved_high() const noexcept {
+  try {
+    return pool_.reserved_high();
+  } catch (...) {
+    return reserved_;  // the front end's own peak stands
+  }
+}
+
+void AsyncPolicy::reset_reserved_high() noexcept {
+  try {
+    pool_.reset_high_watermarks();
+  } catch (...) {  // NOLINT(bugprone-empty-catch): the pool's high stays; the front end's peak is reset
   }
 }
 

@@ -526,3 +526,44 @@ TEST_CASE("async: stats carry the pool's attributes, in the relations Note [Pool
   CHECK(static_cast<std::uint64_t>(s.reserved_bytes.current) == s.pool->reserved_mem_current);
   a->check_invariants();
 }
+
+TEST_CASE("async: the pool's reserved bytes are read when someone looks, and stats still agree with the pool",
+          "[async][stats]") {
+  // Note [Reserved bytes read lazily]. Release threshold 0: the simulated pool gives a free
+  // chunk back at once, so the pool also shrinks between two reads; the peak must still be seen.
+  auto [sim, a] = test::make_sim_allocator("async", {}, "async_release_threshold:0");
+  SimStreamPool& pool = pool_of(*sim);
+  const std::uint64_t reads_before = pool.attribute_reads();
+  std::vector<void*> ptrs;
+  for (int i = 0; i < 50; ++i) {
+    ptrs.push_back(a->allocate((3 + i % 5) * kMiB, 1));  // large blocks: every one from the pool
+  }
+  std::size_t high = pool.reserved_high();
+  const std::uint64_t reads_after = pool.attribute_reads() - 1;  // less the read just made
+  CHECK(reads_after == reads_before);  // 50 pool allocations, no attribute read
+  for (void* p : ptrs) {
+    a->deallocate(p);
+  }
+  sim->complete_all();
+  void* small = a->allocate(40 * kMiB, 1);  // after the pool shrank: below the earlier peak
+  Stats s = a->stats();
+  CHECK(static_cast<std::uint64_t>(s.reserved_bytes.current) == pool.reserved_current());
+  CHECK(static_cast<std::uint64_t>(s.reserved_bytes.peak) == pool.reserved_high());
+  CHECK(static_cast<std::size_t>(s.reserved_bytes.peak) >= high);
+  CHECK(s.reserved_bytes.peak > s.reserved_bytes.current);
+  a->check_invariants();
+
+  a->reset_peak_stats();  // resets the pool's high watermark with the front end's peak
+  s = a->stats();
+  CHECK(s.reserved_bytes.peak == s.reserved_bytes.current);
+  CHECK(pool.reserved_high() == pool.reserved_current());
+  void* big = a->allocate(200 * kMiB, 1);
+  a->deallocate(big);
+  sim->complete_all();
+  s = a->stats();
+  high = pool.reserved_high();
+  CHECK(static_cast<std::size_t>(s.reserved_bytes.peak) == high);
+  CHECK(high >= 240 * kMiB);
+  a->deallocate(small);
+  a->check_invariants();
+}

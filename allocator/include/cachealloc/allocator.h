@@ -53,10 +53,9 @@
 // pool_calls()) stats() also reads the pool's own attributes
 // (Stats::pool), under the same lock as everything else, so one snapshot is consistent:
 //   * reserved_bytes.current == pool reserved_mem_current, and reserved_bytes.peak ==
-//     reserved_mem_high while no peak was reset: the pool grows only inside the policy's
-//     allocate_async and shrinks only in its trim_to (release threshold "keep everything"
-//     unless async_release_threshold is set), and the policy re-reads the attribute after each
-//     of those (not after a free, which leaves the pool's reserved bytes as they are).
+//     reserved_mem_high: the policy reads the attribute lazily, stats() reads both first, and
+//     reset_peak_stats() resets the pool's high watermarks with the front end's peaks (Note
+//     [Reserved bytes read lazily], async.h).
 //   * active_bytes.current + front_cache_bytes <= used_mem_current <= reserved_mem_current:
 //     every byte the policy took from the pool is live, parked for another stream, or in its
 //     front cache; the driver may round a request up, and counts a freed block as used until the
@@ -284,6 +283,7 @@ class CachingAllocator final : public DeviceAllocator {
 
   [[nodiscard]] Stats stats() const override {
     std::lock_guard lock(mutex_);
+    refresh_reserved();
     Stats s = snapshot();
     const BackendCounters& c = backend_->counters();
     s.num_device_alloc = c.reserve_calls + c.physical_creates;
@@ -301,6 +301,10 @@ class CachingAllocator final : public DeviceAllocator {
   }
   void reset_peak_stats() override {
     std::lock_guard lock(mutex_);
+    refresh_reserved();
+    if constexpr (requires(P& p) { p.reset_reserved_high(); }) {
+      policy_.reset_reserved_high();  // Note [Reserved bytes read lazily]
+    }
     stats_.reserved_bytes.reset_peak();
     allocated_.reset_peak();
     requested_.reset_peak();
@@ -320,6 +324,7 @@ class CachingAllocator final : public DeviceAllocator {
 
   void check_invariants() const override {
     std::lock_guard lock(mutex_);
+    refresh_reserved();
     policy_.check_invariants();
     std::size_t allocated = 0;
     std::size_t requested = 0;
@@ -482,6 +487,7 @@ class CachingAllocator final : public DeviceAllocator {
       }
     }
     ++stats_.num_ooms;
+    refresh_reserved();
     sync_reserved();
     if (observer_) {
       observer_(AllocatorEvent::oom, 0, bytes, stream);
@@ -599,12 +605,28 @@ class CachingAllocator final : public DeviceAllocator {
     }
   }
 
-  void sync_reserved() noexcept {
+  void sync_reserved() const noexcept {
     // Most calls change nothing: leave stats_'s line alone then (Note [Hot fields first]).
     const std::size_t reserved = policy_.reserved_bytes();
     if (reserved != reserved_seen_) {
       reserved_seen_ = reserved;
       stats_.reserved_bytes.set(static_cast<std::int64_t>(reserved));
+    }
+  }
+
+  /// A policy whose reserved bytes are the device's own figure (policy async: the pool's
+  /// attributes) reads them only when someone looks (Note [Reserved bytes read lazily], async.h):
+  /// here, before stats are reported or checked. Its peak is the pool's high watermark, which
+  /// sees every growth, also those between two reads. Caller holds mutex_.
+  void refresh_reserved() const noexcept {
+    if constexpr (requires(const P& p) {
+                    p.refresh_reserved();
+                    { p.reserved_high() } -> std::same_as<std::size_t>;
+                  }) {
+      policy_.refresh_reserved();
+      sync_reserved();
+      stats_.reserved_bytes.peak =
+          std::max(stats_.reserved_bytes.peak, static_cast<std::int64_t>(policy_.reserved_high()));
     }
   }
 
@@ -669,11 +691,13 @@ class CachingAllocator final : public DeviceAllocator {
   std::int64_t active_peak_count_ = 0;
   std::int64_t active_freed_bytes_ = 0;  // completed frees since the last reset_accumulated
   std::int64_t active_freed_count_ = 0;
-  std::size_t reserved_seen_ = 0;  // the policy's reserved bytes when stats_ last took them
+  // The policy's reserved bytes when stats_ last took them; mutable, as stats_: a lazily read
+  // policy (refresh_reserved) brings both up to date from the const stats().
+  mutable std::size_t reserved_seen_ = 0;
   AllocatorObserver observer_;
   std::unique_ptr<DeviceBackend> backend_;
   P policy_;
-  Stats stats_;  // the cold figures; the five above come from snapshot()
+  mutable Stats stats_;  // the cold figures; the five above come from snapshot()
   double fraction_ = 1.0;
 };
 

@@ -66,10 +66,13 @@ class SimStreamPool final : public StreamOrderedMemory {
   void wait_for_frees(StreamId stream) override;
   void trim_to(std::size_t keep_bytes) override;
 
-  [[nodiscard]] std::size_t reserved_current() const override { return reserved_; }
-  [[nodiscard]] std::size_t reserved_high() const override { return reserved_high_; }
-  [[nodiscard]] std::size_t used_current() const override { return used_; }
-  [[nodiscard]] std::size_t used_high() const override { return used_high_; }
+  // The four attributes count their reads, as the driver calls they stand for (attribute_reads).
+  [[nodiscard]] std::size_t reserved_current() const override { return ++attribute_reads_, reserved_; }
+  [[nodiscard]] std::size_t reserved_high() const override { return ++attribute_reads_, reserved_high_; }
+  [[nodiscard]] std::size_t used_current() const override { return ++attribute_reads_, used_; }
+  [[nodiscard]] std::size_t used_high() const override { return ++attribute_reads_, used_high_; }
+  /// Reads of the four attributes so far (cudaMemPoolGetAttribute calls on a real pool).
+  [[nodiscard]] std::uint64_t attribute_reads() const noexcept { return attribute_reads_; }
   void reset_high_watermarks() override;
   [[nodiscard]] std::size_t granularity() const noexcept override { return kAlignment; }
 
@@ -138,6 +141,7 @@ class SimStreamPool final : public StreamOrderedMemory {
   std::uint64_t free_calls_ = 0;
   std::uint64_t internal_dependencies_ = 0;
   std::uint64_t foreign_frees_ = 0;
+  mutable std::uint64_t attribute_reads_ = 0;
 };
 
 }  // namespace cachealloc

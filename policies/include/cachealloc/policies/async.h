@@ -67,6 +67,20 @@
 // run its retry chain, whose release_cached() waits for the streams the policy freed on
 // (one event each) and trims the pool to zero.
 //
+// Note [Reserved bytes read lazily]
+// The front end keeps reserved_bytes current after every call, and the policy used to read the
+// pool's cudaMemPoolAttrReservedMemCurrent after every allocate_async to give it the figure:
+// one more driver call on every pool allocation (34 per step of the e2e pipeline workload, next
+// to its 67 pool calls). Nothing inside the policy needs the figure, so it is read only when
+// someone looks: the front end's stats(), check_invariants() and reset_peak_stats(), the retry
+// chain (a failed allocation reads it at once), and release_cached() after its trim. The peak
+// comes from the pool's own high watermark (cudaMemPoolAttrReservedMemHigh), which sees every
+// growth, also those between two reads, and also when async_release_threshold lets the driver
+// shrink the pool at synchronisations; reset_peak_stats() resets it (the driver accepts 0:
+// back to the current value) with the front end's peaks, so reserved_bytes.peak equals the
+// pool's reserved_mem_high at every stats(). Between two reads, the front end's internal figure
+// may lag the pool; no decision rests on it.
+//
 // Config keys: async_cache_mb, async_cache_max_block, async_small_slabs, async_recent_blocks, and the pool's async_release_threshold and async_reuse_* keys,
 // which the policy forwards to the pool (set_pool_options) when present.
 #pragma once
@@ -106,6 +120,11 @@ class AsyncPolicy {
   void deallocate(const Block& block, StreamId stream) noexcept;
   std::size_t release_cached();
   [[nodiscard]] std::size_t reserved_bytes() const noexcept { return reserved_; }
+  /// Reads the pool's reserved bytes into reserved_bytes() (Note [Reserved bytes read lazily]).
+  void refresh_reserved() const noexcept;
+  /// The pool's reserved high watermark since it was created or reset_reserved_high().
+  [[nodiscard]] std::size_t reserved_high() const noexcept;
+  void reset_reserved_high() noexcept;
   void check_invariants() const;
 
   static constexpr std::size_t kSmallMax = 1 * kMiB;
@@ -172,7 +191,6 @@ class AsyncPolicy {
   /// Returns every cached block (exact-size cache and recent FIFOs) to the pool.
   void drain_cache() noexcept;
   void free_to_pool(void* ptr, StreamId stream) noexcept;
-  void refresh_reserved() noexcept;
 
   DeviceBackend& backend_;
   StreamOrderedMemory& pool_;
@@ -189,7 +207,9 @@ class AsyncPolicy {
   std::size_t recent_limit_ = 4;   // async_recent_blocks
   std::size_t recent_bytes_ = 0;   // blocks on the recent FIFOs
   std::size_t live_bytes_ = 0;  // blocks handed out straight from the pool or the exact-size cache
-  std::size_t reserved_ = 0;  // the pool's reserved_current after our last pool call
+  // The pool's reserved_current when last read (Note [Reserved bytes read lazily]); mutable: the
+  // front end refreshes it from its const stats() and check_invariants().
+  mutable std::size_t reserved_ = 0;
   std::uint64_t cache_hits_ = 0;
   std::uint64_t pool_calls_ = 0;
 };
