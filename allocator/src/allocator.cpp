@@ -94,6 +94,7 @@ std::map<std::string, std::int64_t> Stats::to_map() const {
     m["pool.used_mem_high"] = static_cast<std::int64_t>(pool->used_mem_high);
     m["pool.front_cache_bytes"] = static_cast<std::int64_t>(pool->front_cache_bytes);
     m["pool.calls"] = static_cast<std::int64_t>(pool->pool_calls);
+    m["pool.ns"] = static_cast<std::int64_t>(pool->pool_ns);
   }
   return m;
 }

@@ -154,7 +154,7 @@ BUILTIN_CONFIGS = {
 }
 FALLBACK_POLICIES = ("native", "size_class", "defrag", "async")
 COUNTER_KEYS = ("allocator_ns", "alloc_calls", "free_calls", "num_device_alloc", "num_device_free", "num_maps",
-                "num_unmaps", "bytes_mapped", "bytes_unmapped", "pool.calls", "num_sync_all_streams",
+                "num_unmaps", "bytes_mapped", "bytes_unmapped", "pool.calls", "pool.ns", "num_sync_all_streams",
                 "num_alloc_retries", "num_ooms",
                 # the timing wrapper of +timed configurations (cachealloc.native_allocator_stats())
                 "timed.allocator_ns", "timed.alloc_ns", "timed.free_ns", "timed.alloc_calls", "timed.free_calls")
@@ -1055,6 +1055,14 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any], meta: dict[str, 
         v = verdicts(rows)
         if v:
             lines += [""] + v
+        pool_rows = [(cfg, r) for cfg, r in rows.items() if "pool.ns" in r.get("counters_delta_per_step", {})]
+        if pool_rows:
+            # Note [Time in the pool's calls] (async.h): the driver's share of the allocator's time.
+            lines += [""] + [
+                f"- inside {cfg}'s allocator time: {r['counters_delta_per_step']['pool.ns'] / 1e3:,.1f} µs/step in "
+                f"{r['counters_delta_per_step'].get('pool.calls', 0):,.1f} stream-ordered pool calls "
+                "(cudaMallocFromPoolAsync + cudaFreeAsync, timed by the policy), the rest in cachealloc's own code"
+                for cfg, r in pool_rows]
         errors = [(cfg, e) for cfg, r in rows.items() for e in r["errors"]]
         if errors:
             lines += ["", "Errors:", ""]

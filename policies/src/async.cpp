@@ -104,8 +104,7 @@ AsyncPolicy::StreamCache& AsyncPolicy::cache(StreamId stream) {
 
 AsyncPolicy::Slab* AsyncPolicy::new_slab(StreamId stream) {
   auto slab = std::make_unique<Slab>();
-  void* base = pool_.allocate_async(kSlabBytes, stream);
-  ++pool_calls_;
+  void* base = pool_allocate(kSlabBytes, stream);
   if (base == nullptr) {
     return nullptr;
   }
@@ -226,12 +225,10 @@ Block AsyncPolicy::allocate(std::size_t bytes, StreamId stream) {
     }
     drain_recent();  // before the pool may grow
   }
-  void* ptr = pool_.allocate_async(size, stream);
-  ++pool_calls_;
+  void* ptr = pool_allocate(size, stream);
   if (ptr == nullptr && cached_bytes_ + recent_bytes_ > 0) {
     drain_cache();  // Note [Out of memory in async]
-    ptr = pool_.allocate_async(size, stream);
-    ++pool_calls_;
+    ptr = pool_allocate(size, stream);
   }
   if (ptr == nullptr) {
     refresh_reserved();  // the front end's retry chain and its out-of-memory message read it
@@ -268,9 +265,32 @@ void AsyncPolicy::deallocate(const Block& block, StreamId stream) noexcept {
   free_to_pool(block.ptr, stream);
 }
 
+/// Adds the time of one pool call to a counter when the scope ends, exception or not.
+class AsyncPolicy::PoolCallTimer {
+ public:
+  explicit PoolCallTimer(AsyncPolicy& p) noexcept : p_(p), start_(p.backend_.clock_ns()) {}
+  ~PoolCallTimer() {
+    ++p_.pool_calls_;
+    p_.pool_ns_ += p_.backend_.clock_ns() - start_;
+  }
+  PoolCallTimer(const PoolCallTimer&) = delete;
+  PoolCallTimer& operator=(const PoolCallTimer&) = delete;
+
+ private:
+  AsyncPolicy& p_;
+  std::uint64_t start_;
+};
+
+void* AsyncPolicy::pool_allocate(std::size_t bytes, StreamId stream) {
+  PoolCallTimer timer(*this);
+  return pool_.allocate_async(bytes, stream);
+}
+
 void AsyncPolicy::free_to_pool(void* ptr, StreamId stream) noexcept {
-  pool_.free_async(ptr, stream);
-  ++pool_calls_;
+  {
+    PoolCallTimer timer(*this);
+    pool_.free_async(ptr, stream);
+  }
   if (std::find(freed_on_.begin(), freed_on_.end(), stream) == freed_on_.end()) {
     try {
       freed_on_.push_back(stream);

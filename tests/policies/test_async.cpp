@@ -567,3 +567,31 @@ TEST_CASE("async: the pool's reserved bytes are read when someone looks, and sta
   a->deallocate(small);
   a->check_invariants();
 }
+
+TEST_CASE("async: stats time the pool's calls by the backend's clock (Note [Time in the pool's calls])",
+          "[async][stats]") {
+  SimOptions o;
+  o.model_call_costs = true;  // every pool call moves the simulated clock by kCallCostNs
+  auto [sim, a] = test::make_sim_allocator("async", o);
+  std::vector<void*> ptrs;
+  for (int i = 0; i < 20; ++i) {
+    ptrs.push_back(a->allocate((2 + i) * kMiB, i % 2));  // large: from the pool
+    ptrs.push_back(a->allocate(4096, i % 2));             // small: a slab now and then
+  }
+  for (void* p : ptrs) {
+    a->deallocate(p);
+  }
+  const Stats s = a->stats();
+  REQUIRE(s.pool.has_value());
+  CHECK(s.pool->pool_calls >= 40);
+  // Each call costs kCallCostNs, and a call that grows the pool also its physical pages'
+  // creation and mapping; nothing else in this sequence moves the clock.
+  CHECK(s.pool->pool_ns >= s.pool->pool_calls * SimStreamPool::kCallCostNs);
+  CHECK(s.pool->pool_ns == sim->clock_ns());
+  CHECK(s.to_map().at("pool.ns") == static_cast<std::int64_t>(s.pool->pool_ns));
+  // Without the cost model the simulated clock stands still: nothing is charged.
+  auto [sim2, b] = test::make_sim_allocator("async");
+  b->deallocate(b->allocate(8 * kMiB, 0));
+  CHECK(b->stats().pool->pool_ns == 0);
+  CHECK(b->stats().pool->pool_calls >= 1);
+}

@@ -469,6 +469,9 @@ class CachingAllocator final : public DeviceAllocator {
       f.front_cache_bytes = policy_.cached_bytes();
     }
     f.pool_calls = policy_.pool_calls();
+    if constexpr (requires(const P& p) { p.pool_ns(); }) {
+      f.pool_ns = policy_.pool_ns();
+    }
     return f;
   }
 

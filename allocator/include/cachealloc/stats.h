@@ -70,12 +70,13 @@ struct Stats {
     std::uint64_t used_mem_high = 0;         ///< cudaMemPoolAttrUsedMemHigh
     std::uint64_t front_cache_bytes = 0;     ///< freed blocks the policy keeps from the pool
     std::uint64_t pool_calls = 0;            ///< allocate_async + free_async calls (device calls)
+    std::uint64_t pool_ns = 0;               ///< time inside those calls (the backend's clock)
   };
   std::optional<PoolFigures> pool;
 
   /// Flat "key -> value" map with torch.cuda.memory_stats() key names (and, with a pool,
   /// pool.reserved_mem_current, pool.reserved_mem_high, pool.used_mem_current,
-  /// pool.used_mem_high, pool.front_cache_bytes, pool.calls).
+  /// pool.used_mem_high, pool.front_cache_bytes, pool.calls, pool.ns).
   [[nodiscard]] std::map<std::string, std::int64_t> to_map() const;
 };
 
