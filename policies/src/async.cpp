@@ -231,8 +231,7 @@ Block AsyncPolicy::allocate(std::size_t bytes, StreamId stream) {
     ptr = pool_allocate(size, stream);
   }
   if (ptr == nullptr) {
-    refresh_reserved();  // the front end's retry chain and its out-of-memory message read it
-    return {};
+    return {};  // the front end's retry chain reads the reserved bytes before it reports
   }
   live_bytes_ += size;
   return {ptr, size, nullptr};
@@ -260,8 +259,6 @@ void AsyncPolicy::deallocate(const Block& block, StreamId stream) noexcept {
     } catch (...) {  // NOLINT(bugprone-empty-catch): no memory for the stream's cache: to the pool
     }
   }
-  // No refresh_reserved() here: a free never changes the pool's reserved bytes (Note [Pool
-  // attributes in the stats], allocator.h), and reading the attribute cost a driver call per free.
   free_to_pool(block.ptr, stream);
 }
 

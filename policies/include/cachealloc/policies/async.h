@@ -75,8 +75,9 @@
 // pool_reserved_read: 0.037 us hot, bench/results/gpu_bench_h200_2026-12-03_session9a_pool_calls.md),
 // so this saves little time (about 1 us per pipeline step); it stays because nothing inside the
 // policy needs the figure, and reading it where it is looked at keeps the hot path free of
-// driver calls that decide nothing. The figure is read only when someone looks: the front end's stats(), check_invariants() and reset_peak_stats(), the retry
-// chain (a failed allocation reads it at once), and release_cached() after its trim. The peak
+// driver calls that decide nothing. The figure is read only when someone looks: the front
+// end's stats(), check_invariants() and reset_peak_stats(), its retry chain before the
+// out-of-memory message, and release_cached() after its trim. The peak
 // comes from the pool's own high watermark (cudaMemPoolAttrReservedMemHigh), which sees every
 // growth, also those between two reads, and also when async_release_threshold lets the driver
 // shrink the pool at synchronisations; reset_peak_stats() resets it (the driver accepts 0:
