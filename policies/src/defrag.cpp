@@ -705,7 +705,7 @@ void DefragEngine::make_live(Node* n) noexcept {
 
 std::vector<std::string_view> DefragPolicy::config_keys() {
   return {"va_reserve_gb", "grow_slack", "max_grow_slack", "move_budget", "small_size",
-          "wait_for_streams", "max_chunk_mb", "keep_small_mb", "fill_at_max_slack"};
+          "wait_for_streams", "max_chunk_mb", "keep_small_mb"};
 }
 
 DefragSettings DefragPolicy::parse_settings(Config& config) {
@@ -738,9 +738,6 @@ DefragSettings DefragPolicy::parse_settings(Config& config) {
   }
   if (auto mb = config.take_double("keep_small_mb", 0.0, 1 << 20)) {
     s.keep_small_bytes = static_cast<std::size_t>(*mb * static_cast<double>(kMiB));
-  }
-  if (auto fill = config.take_bool("fill_at_max_slack")) {
-    s.fill_at_max_slack = *fill;
   }
   return s;
 }

@@ -66,19 +66,6 @@
 // growth of them would. A job that never raised its slack keeps its chunks (and its memory);
 // one raised to 0.02 (the e2e gpt2 recording) made the same chunks as before.
 //
-// Note [Filling the slack at its maximum]
-// Once the slack reached max_grow_slack, moving pages has cost the job more than its budget at
-// every lower slack, and the policy lets it hold up to (1 + max_grow_slack) x its peak of live
-// bytes. Such a job then fills that allowance growth by growth as its layout spreads: the e2e
-// pipeline recording (batch 512-4096 at random) grew nine times after its slack reached 0.25,
-// in steps 3-10, 2,650 -> 3,262 MB, each growth a few chunks created and mapped, which is most
-// of the device calls of the steps bench/e2e measures (5-24). So at the maximum a growth
-// creates, where its unmapped hole has room, every page the slack allows in one go; the pages
-// beyond the block become a mapped hole. Replayed (peak reserved / peak requested; device calls
-// in steps 5-24): e2e pipeline 1.243 (57) -> 1.243 (28). Jobs below the maximum (every shared
-// trace, e2e gpt2 and resnet50) never fill; fill_at_max_slack:False (or max_grow_slack equal to
-// grow_slack) turns it off.
-//
 // Note [Failures while growing]
 // Pages are gathered first (created, or unmapped from holes, which leaves consistent unmapped
 // holes behind), then mapped as one run, all or nothing. If gathering or mapping fails, the
@@ -204,12 +191,7 @@ bool DefragEngine::gather_pages(std::size_t count, std::size_t room, std::size_t
                                 const Node* hole, std::uint32_t cls) {
   scratch_.clear();
   try {
-    std::size_t want = count;
-    if (settings_.fill_at_max_slack && slack_ >= settings_.max_grow_slack &&
-        settings_.max_grow_slack > settings_.grow_slack) {
-      want = std::max(count, room);  // Note [Filling the slack at its maximum]
-    }
-    create_pages(std::min(want, pages_within_slack(size)));
+    create_pages(std::min(count, pages_within_slack(size)));
     if (scratch_pages() < count) {
       steal(count - scratch_pages(), room, hole);
     }

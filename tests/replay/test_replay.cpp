@@ -154,34 +154,4 @@ TEST_CASE("replay: defrag reports its counters, and a lagging GPU makes its wait
   CHECK(moving_ms(lagging.detail) > moving_ms(at_once.detail));
   CHECK(static_cast<double>(lagging.peak_reserved) / static_cast<double>(t.peak_requested) <= 1.02);
 }
-
-TEST_CASE("replay: defrag at its maximum slack grows in fewer, larger steps for no more memory",
-          "[replay][defrag]") {
-  // Note [Filling the slack at its maximum]: the e2e pipeline recording (44 steps, batch
-  // 512-4096 at random) reaches max_grow_slack in its first steps and then kept growing by the
-  // pages each block lacked, through the steps bench/e2e measures (5-24).
-  const auto snapshot = trace::read_snapshot(std::string(CACHEALLOC_E2E_RECORDINGS_DIR) + "/e2e_pipeline.pickle.xz");
-  const replay::PreparedTrace t = replay::prepare(snapshot, "e2e_pipeline");
-  replay::ReplayOptions opts;
-  opts.phases = 44;  // about one step each
-  opts.check_every = 499;
-  const replay::PolicyResult filled = replay::run(t, "defrag", "", opts);
-  const replay::PolicyResult by_block = replay::run(t, "defrag", "fill_at_max_slack:False", opts);
-  REQUIRE(filled.error.empty());
-  REQUIRE(by_block.error.empty());
-  const auto calls = [](const replay::PolicyResult& r) {
-    std::uint64_t n = 0;
-    for (std::size_t k = 4; k < 24; ++k) {
-      n += r.phases[k].device_calls;
-    }
-    return n;
-  };
-  INFO("device calls in steps 5-24: filled " << calls(filled) << ", by block " << calls(by_block)
-                                             << "; peak reserved " << filled.peak_reserved << " vs "
-                                             << by_block.peak_reserved);
-  CHECK(filled.detail.find("slack 0.250") != std::string::npos);  // it did reach the maximum
-  CHECK(calls(filled) * 3 <= calls(by_block) * 2);                // a third fewer at least
-  CHECK(filled.peak_reserved <= by_block.peak_reserved);
-  CHECK(filled.failed_allocations == 0);
-}
 #endif

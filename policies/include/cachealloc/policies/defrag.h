@@ -43,10 +43,6 @@
 //                     to whole pages; the page size, 2 on the H200, gives one handle per page:
 //                     every page can move alone, but each costs its own cuMemCreate and cuMemMap)
 //                     (Note [Chunks], defrag_grow.cpp)
-//   fill_at_max_slack once the slack reached max_grow_slack, a growth creates every page the
-//                     slack allows (where its hole has room) instead of only the pages its block
-//                     lacks: fewer, larger growths for a job that keeps changing shape (default
-//                     True) (Note [Filling the slack at its maximum], defrag_grow.cpp)
 //   keep_small_mb     freed blocks up to 1 MiB (and small_size) kept, unmerged, for a request of
 //                     the same size on the same stream, up to this many MiB in all: a faster
 //                     pair for about 0.2-0.5% more peak memory (default 0: off) (Note [Recently
@@ -96,7 +92,6 @@ struct DefragSettings {
   bool wait_for_streams = true;
   std::size_t max_chunk_bytes = 1 * kGiB;  ///< largest physical handle; one page = per-page handles
   std::size_t keep_small_bytes = 0;  ///< freed small blocks kept for reuse at their size (0: none)
-  bool fill_at_max_slack = true;  ///< at max_grow_slack, a growth creates all the slack allows
 };
 
 /// What the policy did to the device, beyond the backend's own map/unmap counters.
