@@ -96,6 +96,9 @@ std::map<std::string, std::int64_t> Stats::to_map() const {
     m["pool.calls"] = static_cast<std::int64_t>(pool->pool_calls);
     m["pool.ns"] = static_cast<std::int64_t>(pool->pool_ns);
   }
+  for (const auto& [key, value] : policy_counters) {
+    m[key] = value;
+  }
   return m;
 }
 

@@ -98,7 +98,11 @@ What is measured, the same way for every configuration, in the run's process:
                        "device calls/step" counts device allocs + frees + maps + unmaps + pool
                        calls.
   allocator ns per step  allocator_ns_steps in the JSON: the same allocator time (cachealloc's own,
-                       or the +timed wrapper's), read after every measured step, step by step.
+                       or the +timed wrapper's), read after every measured step, step by step;
+                       for cachealloc also device_calls_steps and, with policy defrag,
+                       defrag_wait_ns_steps / defrag_move_ns_steps (time waiting for streams /
+                       in growths that moved pages or waited). The report gives the median
+                       step's allocator time and the heaviest step's share of the run's.
   torch max_memory_reserved   torch.cuda.max_memory_reserved() at the end of the run: PyTorch's
                        own figure (native, expandable, async, and the LibTorch adapter); it
                        raises under the pluggable allocator (shown as –).
@@ -156,6 +160,9 @@ FALLBACK_POLICIES = ("native", "size_class", "defrag", "async")
 COUNTER_KEYS = ("allocator_ns", "alloc_calls", "free_calls", "num_device_alloc", "num_device_free", "num_maps",
                 "num_unmaps", "bytes_mapped", "bytes_unmapped", "pool.calls", "pool.ns", "num_sync_all_streams",
                 "num_alloc_retries", "num_ooms",
+                # policy defrag's own counters (DefragPolicy::stat_counters())
+                "defrag.pages_moved", "defrag.chunks_moved", "defrag.stream_waits", "defrag.wait_ns",
+                "defrag.move_ns", "defrag.grow_allocations", "defrag.pages_created",
                 # the timing wrapper of +timed configurations (cachealloc.native_allocator_stats())
                 "timed.allocator_ns", "timed.alloc_ns", "timed.free_ns", "timed.alloc_calls", "timed.free_calls")
 DEVICE_CALL_KEYS = ("num_device_alloc", "num_device_free", "num_maps", "num_unmaps", "pool.calls")
@@ -546,6 +553,10 @@ def run_workload(spec: dict[str, Any]) -> dict[str, Any]:
             elif kind in ("plugin", "full"):
                 step_ns = lambda: cachealloc.allocator_ns(device)  # noqa: E731
         marks = [step_ns()] if step_ns is not None else None
+        # cachealloc's counters after every measured step too (outside the step's time): the
+        # device calls and policy defrag's waits of each step.
+        step_stats = ([_counters(_read_stats(torch, cachealloc, device))]
+                      if device.type == "cuda" and kind in ("plugin", "full") else None)
         for i in range(spec["warmup"], spec["warmup"] + spec["steps"]):
             t0 = time.perf_counter()
             wl.step(i)
@@ -553,9 +564,18 @@ def run_workload(spec: dict[str, Any]) -> dict[str, Any]:
             times.append(time.perf_counter() - t0)
             if marks is not None:
                 marks.append(step_ns())
+            if step_stats is not None:
+                step_stats.append(_counters(_read_stats(torch, cachealloc, device)))
         result["step_s"] = times
         if marks is not None:
             result["allocator_ns_steps"] = [b - a for a, b in zip(marks, marks[1:])]
+        if step_stats is not None:
+            def per_step(keys: tuple[str, ...]) -> list[int]:
+                return [sum(b.get(k, 0) - a.get(k, 0) for k in keys) for a, b in zip(step_stats, step_stats[1:])]
+            result["device_calls_steps"] = per_step(DEVICE_CALL_KEYS)
+            if "defrag.wait_ns" in step_stats[0]:
+                result["defrag_wait_ns_steps"] = per_step(("defrag.wait_ns",))
+                result["defrag_move_ns_steps"] = per_step(("defrag.move_ns",))
         result["median_step_s"] = median_step = statistics.median(times)
         if sampler is not None:
             peak = sampler.stop()
@@ -906,6 +926,15 @@ def _fmt_ms(values: list[float]) -> str:
     return f"{med:.2f} [{lo:.2f}–{hi:.2f}]"
 
 
+def _heaviest_step(r: dict[str, Any]) -> dict[str, int]:
+    """The run's measured step with the most allocator time: its ns, device calls (and waits)."""
+    i = max(range(len(r["allocator_ns_steps"])), key=lambda k: r["allocator_ns_steps"][k])
+    h = {"step": i, "ns": r["allocator_ns_steps"][i], "calls": r["device_calls_steps"][i]}
+    if r.get("defrag_wait_ns_steps"):
+        h["wait_ns"] = r["defrag_wait_ns_steps"][i]
+    return h
+
+
 def summarize(results: list[dict[str, Any]], workloads: list[str], configs: list[str]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for wl in workloads:
@@ -932,6 +961,14 @@ def summarize(results: list[dict[str, Any]], workloads: list[str], configs: list
                 "allocator_pct_of_step": col("allocator_pct_of_step"),
                 "device_calls_per_step": col("device_calls_per_step"),
                 "allocs_per_step": col("allocs_per_step"),
+                # Per run: the share of the measured steps' allocator time in its heaviest step,
+                # and the median step's allocator time (how the time spreads over the steps).
+                "heaviest_step_share": [max(r["allocator_ns_steps"]) / sum(r["allocator_ns_steps"])
+                                        for r in ok if sum(r.get("allocator_ns_steps") or [0]) > 0],
+                "median_step_allocator_ns": [statistics.median(r["allocator_ns_steps"])
+                                             for r in ok if r.get("allocator_ns_steps")],
+                "heaviest_steps": [_heaviest_step(r) for r in ok
+                                   if r.get("allocator_ns_steps") and r.get("device_calls_steps")],
                 "counters_delta_per_step": {
                     k: statistics.median([r["counters_delta"][k] / r["steps"] for r in ok
                                           if k in r.get("counters_delta", {})])
@@ -1063,6 +1100,33 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any], meta: dict[str, 
                 f"{r['counters_delta_per_step'].get('pool.calls', 0):,.1f} stream-ordered pool calls "
                 "(cudaMallocFromPoolAsync + cudaFreeAsync, timed by the policy), the rest in cachealloc's own code"
                 for cfg, r in pool_rows]
+        defrag_rows = [(cfg, r) for cfg, r in rows.items()
+                       if "defrag.move_ns" in r.get("counters_delta_per_step", {})]
+        if defrag_rows:
+            # Where policy defrag's time goes: growths that moved pages or waited for a stream.
+            lines += [""] + [
+                f"- inside {cfg}'s allocator time: {d['defrag.move_ns'] / 1e3:,.1f} µs/step in growths that moved "
+                f"pages or waited for a stream ({d.get('defrag.wait_ns', 0) / 1e3:,.1f} µs/step waiting, "
+                f"{d.get('defrag.stream_waits', 0):,.2f} waits/step), {d.get('defrag.pages_moved', 0):,.1f} pages "
+                f"moved/step in {d.get('defrag.chunks_moved', 0):,.1f} chunks"
+                for cfg, r in defrag_rows for d in [r["counters_delta_per_step"]]]
+        spread_rows = [(cfg, r) for cfg, r in rows.items() if r.get("heaviest_step_share")]
+        heavy = [(cfg, r) for cfg, r in rows.items() if r.get("heaviest_steps")]
+        if spread_rows:
+            lines += [""] + [
+                f"- {cfg}: the median measured step spent {statistics.median(r['median_step_allocator_ns']) / 1e3:,.1f} µs "
+                f"in the allocator; the heaviest step held {100 * statistics.median(r['heaviest_step_share']):.0f}% "
+                f"of a run's allocator time (medians over runs)"
+                for cfg, r in spread_rows]
+        if heavy:
+            # What the heaviest step of each run did (cachealloc: device calls, defrag's waits).
+            lines += [""] + [
+                f"- {cfg}, heaviest step of each run (µs in the allocator / device calls"
+                + (" / µs waiting for streams" if any("wait_ns" in h for h in r["heaviest_steps"]) else "")
+                + "): " + ", ".join(
+                    f"{h['ns'] / 1e3:,.0f} / {h['calls']}" + (f" / {h['wait_ns'] / 1e3:,.0f}" if "wait_ns" in h else "")
+                    for h in r["heaviest_steps"])
+                for cfg, r in heavy]
         errors = [(cfg, e) for cfg, r in rows.items() for e in r["errors"]]
         if errors:
             lines += ["", "Errors:", ""]

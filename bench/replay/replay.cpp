@@ -373,7 +373,7 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
     char line[400];
     std::snprintf(line, sizeof line,
                   "pages created %llu in %llu chunks, moved %llu in %llu chunks (%llu unmap "
-                  "batches), %llu allocations mapped pages, %llu stream waits, %.1f ms moving, "
+                  "batches), %llu allocations mapped pages, %llu stream waits (%.1f ms), %.1f ms moving, "
                   "slack %.3f (raised %llu times, %llu on time), %llu allocations from recent "
                   "frees (%llu flushes)",
                   static_cast<unsigned long long>(d.pages_created),
@@ -382,7 +382,7 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
                   static_cast<unsigned long long>(d.chunks_moved),
                   static_cast<unsigned long long>(d.unmap_batches),
                   static_cast<unsigned long long>(d.grow_allocations),
-                  static_cast<unsigned long long>(d.stream_waits),
+                  static_cast<unsigned long long>(d.stream_waits), static_cast<double>(d.wait_ns) / 1e6,
                   static_cast<double>(d.move_ns) / 1e6, d.slack,
                   static_cast<unsigned long long>(d.slack_raises),
                   static_cast<unsigned long long>(d.budget_raises),

@@ -239,12 +239,15 @@ void DefragEngine::wait_until(std::uint32_t cls, std::uint64_t epoch) {
     return;
   }
   ++counters_.stream_waits;
+  const std::uint64_t started = backend_.clock_ns();
   while (!st.fences.empty() && st.fences.front().epoch <= epoch) {
     backend_.synchronize_event(st.fences.front().event);
     backend_.destroy_event(st.fences.front().event);
     st.fences.pop_front();
     update_completed(st);
   }
+  const std::uint64_t now = backend_.clock_ns();
+  counters_.wait_ns += now > started ? now - started : 0;
 }
 
 void DefragEngine::process_deferred() noexcept {
@@ -763,6 +766,18 @@ std::size_t DefragPolicy::release_cached() { return engine_->release_cached(); }
 std::size_t DefragPolicy::reserved_bytes() const noexcept { return engine_->reserved_bytes(); }
 void DefragPolicy::check_invariants() const { engine_->check_invariants(); }
 DefragCounters DefragPolicy::counters() const noexcept { return engine_->counters(); }
+
+std::vector<std::pair<std::string, std::int64_t>> DefragPolicy::stat_counters() const {
+  const DefragCounters& c = engine_->counters();
+  const auto v = [](std::uint64_t x) { return static_cast<std::int64_t>(x); };
+  return {{"defrag.pages_created", v(c.pages_created)},   {"defrag.chunks_created", v(c.chunks_created)},
+          {"defrag.pages_moved", v(c.pages_moved)},       {"defrag.chunks_moved", v(c.chunks_moved)},
+          {"defrag.unmap_batches", v(c.unmap_batches)},   {"defrag.grow_allocations", v(c.grow_allocations)},
+          {"defrag.stream_waits", v(c.stream_waits)},     {"defrag.wait_ns", v(c.wait_ns)},
+          {"defrag.move_ns", v(c.move_ns)},               {"defrag.slack_raises", v(c.slack_raises)},
+          {"defrag.budget_raises", v(c.budget_raises)},   {"defrag.recent_hits", v(c.recent_hits)},
+          {"defrag.slack_ppm", static_cast<std::int64_t>(c.slack * 1e6 + 0.5)}};
+}
 const DefragSettings& DefragPolicy::settings() const noexcept { return engine_->settings(); }
 std::size_t DefragPolicy::live_bytes() const noexcept { return engine_->live_bytes(); }
 DefragBreakdown DefragPolicy::breakdown() const { return engine_->breakdown(); }

@@ -500,6 +500,34 @@ TEST_CASE("defrag: pages under free holes move where memory is needed", "[defrag
   CHECK(f.policy.reserved_bytes() <= 200 * MiB);  // peak live is 190 MiB: no growth
   CHECK(after.stream_waits - before.stream_waits == 1);  // the frees were this stream's: one wait
   CHECK(f.sim.counters().unmap_calls == 5);  // one unmap call per hole
+  // The same counters reach the front end's stats (memory_stats() in PyTorch) as defrag.*.
+  std::map<std::string, std::int64_t> m;
+  for (const auto& [k, v] : f.policy.stat_counters()) {
+    m[k] = v;
+  }
+  CHECK(m.at("defrag.pages_moved") == static_cast<std::int64_t>(after.pages_moved));
+  CHECK(m.at("defrag.chunks_moved") == static_cast<std::int64_t>(after.chunks_moved));
+  CHECK(m.at("defrag.stream_waits") == static_cast<std::int64_t>(after.stream_waits));
+  CHECK(m.at("defrag.pages_created") == static_cast<std::int64_t>(after.pages_created));
+  CHECK(m.at("defrag.move_ns") == static_cast<std::int64_t>(after.move_ns));
+  CHECK(m.at("defrag.wait_ns") == static_cast<std::int64_t>(after.wait_ns));
+  CHECK(m.at("defrag.slack_ppm") == 0);
+  CHECK(m.size() == 13);
+}
+
+TEST_CASE("defrag: the front end's stats carry the policy's counters as defrag.*", "[defrag]") {
+  Workload w;
+  void* a = w.alloc(20 * MiB);
+  void* b = w.alloc(20 * MiB);
+  w.free(a);
+  const std::map<std::string, std::int64_t> m = w.allocator().stats().to_map();
+  const DefragCounters c = w.allocator().policy().counters();
+  CHECK(m.at("defrag.pages_created") == static_cast<std::int64_t>(c.pages_created));
+  CHECK(m.at("defrag.pages_created") > 0);
+  CHECK(m.at("defrag.grow_allocations") == static_cast<std::int64_t>(c.grow_allocations));
+  CHECK(m.at("defrag.slack_ppm") == 10'000);  // the default grow_slack, 0.01
+  CHECK(m.count("num_maps") == 1);            // beside the front end's own keys
+  w.free(b);
 }
 
 TEST_CASE("defrag: grow_slack lets memory grow before pages move", "[defrag]") {

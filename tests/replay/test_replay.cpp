@@ -150,8 +150,14 @@ TEST_CASE("replay: defrag reports its counters, and a lagging GPU makes its wait
     const auto start = d.rfind(' ', end - 1);
     return std::stod(d.substr(start + 1, end - start - 1));
   };
+  const auto waiting_ms = [](const std::string& d) {  // "N stream waits (X ms)"
+    const auto at = d.find(" stream waits (");
+    REQUIRE(at != std::string::npos);
+    return std::stod(d.substr(at + 15));
+  };
   INFO(at_once.detail << "\n" << lagging.detail);
   CHECK(moving_ms(lagging.detail) > moving_ms(at_once.detail));
+  CHECK(waiting_ms(lagging.detail) > waiting_ms(at_once.detail));
   CHECK(static_cast<double>(lagging.peak_reserved) / static_cast<double>(t.peak_requested) <= 1.02);
 }
 #endif

@@ -393,6 +393,42 @@ def test_e2e_runner_help_and_plan():
     assert "CACHEALLOC_CONF=policy:async,async_cache_mb:0,async_cache_max_block:64KB" in p.stdout, p.stdout
 
 
+def test_e2e_report_shows_how_allocator_time_spreads_over_steps(tmp_path):
+    """--report-from: the median step's allocator time, the heaviest step's share and what that
+    step did (device calls, defrag's waits), computed from the runs' per-step figures."""
+    runner = REPO / "bench" / "e2e" / "run_e2e.py"
+    if not runner.is_file():
+        skip("bench/e2e/run_e2e.py is not in this checkout")
+    import json
+    run = {"workload": "pipeline", "config": "cachealloc:defrag", "rep": 0, "steps": 4, "warmup": 1, "ok": True,
+           "median_step_s": 0.01, "peak_bytes": 3 << 30, "allocator_reserved_peak": 2 << 30,
+           "allocator_ns_per_step": 400_000.0, "allocator_pct_of_step": 4.0, "device_calls_per_step": 1.0,
+           "allocs_per_step": 50.0, "allocator_ns_steps": [100_000, 120_000, 1_280_000, 100_000],
+           "device_calls_steps": [0, 0, 4, 0], "defrag_wait_ns_steps": [0, 0, 900_000, 0],
+           "defrag_move_ns_steps": [0, 0, 1_000_000, 0],
+           "counters_delta": {"allocator_ns": 1_600_000, "alloc_calls": 200, "free_calls": 200, "num_maps": 4,
+                              "defrag.move_ns": 1_000_000, "defrag.wait_ns": 900_000, "defrag.stream_waits": 1,
+                              "defrag.pages_moved": 8, "defrag.chunks_moved": 4}}
+    meta = {"date": "2026-12-03T00:00:00", "host": "test", "command": "run_e2e.py", "driver": "-", "rounds_done": 1,
+            "steps": {"pipeline": [1, 4]}, "fork": {}, "gpu": "-", "torch": "-", "cuda": "-", "sampler": "nvml",
+            "elapsed_s": 1.0, "cachealloc_library": "-", "estimate": "-"}
+    args = {"workloads": "pipeline", "configs": "cachealloc:defrag", "steps": None, "warmup": None, "min_steps": 5,
+            "reps": 1, "seed": 0, "scale": "full", "device": "cuda", "sample_ms": 1.0, "timeout_s": 180.0,
+            "time_budget_s": 0.0, "no_fork": False, "zygote_timeout_s": 180.0, "out_dir": str(tmp_path), "tag": "t",
+            "dry_run": False, "report_from": None, "child": False, "spec": None, "zygote": False, "config": None}
+    data = {"meta": meta, "args": args, "summary": {}, "runs": [run]}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(data))
+    r = subprocess.run([sys.executable, str(runner), "--report-from", str(path)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    md = path.with_suffix(".md").read_text()
+    assert "the median measured step spent 110.0 µs in the allocator" in md, md
+    assert "the heaviest step held 80% of a run's allocator time" in md, md
+    assert "heaviest step of each run (µs in the allocator / device calls / µs waiting for streams): 1,280 / 4 / 900" in md, md
+    assert "250.0 µs/step in growths that moved pages or waited for a stream (225.0 µs/step waiting" in md, md
+
+
 if __name__ == "__main__":
     from _support import run_module
 

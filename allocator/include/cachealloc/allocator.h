@@ -292,6 +292,9 @@ class CachingAllocator final : public DeviceAllocator {
     s.num_unmaps = c.unmap_calls;
     s.bytes_mapped = c.mapped_bytes;
     s.bytes_unmapped = c.unmapped_bytes;
+    if constexpr (requires(const P& p) { p.stat_counters(); }) {
+      s.policy_counters = policy_.stat_counters();
+    }
     if constexpr (requires(const P& p) { p.pool_calls(); }) {  // the policy lives on the pool
       if (StreamOrderedMemory* pool = backend_->stream_ordered()) {
         s.pool = pool_figures(*pool);  // Note [Pool attributes in the stats]

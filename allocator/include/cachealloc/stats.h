@@ -6,6 +6,8 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace cachealloc {
 
@@ -74,9 +76,13 @@ struct Stats {
   };
   std::optional<PoolFigures> pool;
 
+  /// The policy's own counters, "<policy>.<name>" -> value, for a policy that has them (defrag:
+  /// pages moved, stream waits, time spent moving, the slack in force...); to_map() adds them.
+  std::vector<std::pair<std::string, std::int64_t>> policy_counters;
+
   /// Flat "key -> value" map with torch.cuda.memory_stats() key names (and, with a pool,
   /// pool.reserved_mem_current, pool.reserved_mem_high, pool.used_mem_current,
-  /// pool.used_mem_high, pool.front_cache_bytes, pool.calls, pool.ns).
+  /// pool.used_mem_high, pool.front_cache_bytes, pool.calls, pool.ns), and policy_counters.
   [[nodiscard]] std::map<std::string, std::int64_t> to_map() const;
 };
 

@@ -73,7 +73,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace cachealloc {
@@ -112,6 +114,7 @@ struct DefragCounters {
   std::uint64_t slack_raises = 0;      ///< times the slack rose (Note [Slack that adapts to moves])
   std::uint64_t budget_raises = 0;     ///< of which on time (Note [A time budget for moves])
   std::uint64_t move_ns = 0;           ///< time spent in growths that moved pages or waited
+  std::uint64_t wait_ns = 0;           ///< of which waiting for streams (synchronize_event)
   double slack = 0.0;                  ///< the grow slack in force now
 };
 
@@ -161,6 +164,11 @@ class DefragPolicy {
   }
 
   [[nodiscard]] DefragCounters counters() const noexcept;
+  /// counters() as "defrag.<name>" for the front end's stats (memory_stats() in PyTorch):
+  /// pages_created, chunks_created, pages_moved, chunks_moved, unmap_batches,
+  /// grow_allocations, stream_waits, wait_ns, move_ns, slack_raises, budget_raises,
+  /// recent_hits, slack_ppm (the slack in force, in millionths).
+  [[nodiscard]] std::vector<std::pair<std::string, std::int64_t>> stat_counters() const;
   [[nodiscard]] const DefragSettings& settings() const noexcept;
   /// Sum of the (512-byte rounded) sizes of live blocks.
   [[nodiscard]] std::size_t live_bytes() const noexcept;
