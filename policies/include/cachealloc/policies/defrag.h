@@ -18,9 +18,10 @@
 //      its recently freed pages; else new pages (Note [Where new pages come from],
 //      defrag_grow.cpp).
 // Requests up to small_size go to a second address range, so small long-lived tensors do not
-// pin the pages of large holes. Only pages wholly inside a free hole move, so peak reserved is
+// pin the pages of large holes (Note [Which requests are small]). Only pages wholly inside a free hole move, so peak reserved is
 // about max((1 + grow_slack) x peak live bytes, peak live bytes + the partly used pages at the
-// edges of free holes): 1.010 / 1.008 / 1.012 of peak requested on the shared traces.
+// edges of free holes): 1.010 / 1.004 / 1.016 of peak requested on the shared traces (gpt2,
+// resnet50, two-stream MLP).
 //
 // Settings (CACHEALLOC_CONF, e.g. "policy:defrag,grow_slack:0.005,va_reserve_gb:512"):
 //   va_reserve_gb     virtual address space reserved per range, in GiB (default: twice the
@@ -33,7 +34,7 @@
 //                     to moves], Note [A time budget for moves], defrag_grow.cpp)
 //   small_size        requests up to this size go to their own address range, so that small
 //                     long-lived tensors do not pin the pages of large holes (bytes, default
-//                     1MB; 0 = one range for all sizes)
+//                     256KB; 0 = one range for all sizes) (Note [Which requests are small])
 //   move_budget       the share of elapsed time that growths which move pages (or wait for a
 //                     stream to move them) may take before the slack rises (default 0.02; 1 =
 //                     never on time)
@@ -47,6 +48,21 @@
 //                     the same size on the same stream, up to this many MiB in all: a faster
 //                     pair for about 0.2-0.5% more peak memory (default 0: off) (Note [Recently
 //                     freed small blocks in defrag], defrag.cpp)
+//
+// Note [Which requests are small]
+// The small range is for blocks that share pages many to a page and often live long (norm
+// weights, biases, optimizer scalars): among the large blocks each could pin a page of a large
+// hole. It was up to 1 MiB, PyTorch's own boundary. Blocks of 256 KiB-1 MiB behave like large
+// ones in the jobs measured: in the e2e resnet50 recording 4,539 of them, short-lived
+// activations (median lifetime 104 trace events), spread the small range over pages its
+// long-lived tiny blocks then pinned. Up to 256 KiB (replayed, peak reserved / peak requested):
+// e2e resnet50 1.014 -> 1.005, resnet50_train 1.008 -> 1.004, e2e gpt2 1.004, gpt2_train_varlen
+// 1.010, e2e pipeline 1.243 unchanged (it has no block in that range); mlp_two_streams 1.010 ->
+// 1.016: its one block of that size lives for the whole trace and now pins a large-range page.
+// On the H200 (bench/results/e2e_h200_2026-12-03_session10c_settings.md, 5 runs each):
+// resnet50 3,314 MiB in every run against 3,322-3,330 with 1 MiB (expandable_segments 3,330),
+// 763 against 821 us per step in the allocator; gpt2 17,568 against 17,572 MiB.
+// 512 KiB gave e2e gpt2 1.011, 64 KiB 1.010; 128 KiB was as 256 KiB.
 //
 // Note [Physical pages and the streams that used them]
 // A page may only be unmapped once the streams that used it finished that work, and a hole
@@ -90,7 +106,7 @@ struct DefragSettings {
   double grow_slack = 0.01;
   double max_grow_slack = 0.25;  ///< how far the slack may rise when pages keep moving
   double move_budget = 0.02;     ///< share of elapsed time page moves may take before the slack rises
-  std::size_t small_size = 1 * kMiB;  ///< 0 = small requests share the large range
+  std::size_t small_size = 256 * kKiB;  ///< 0 = small requests share the large range (Note [Which requests are small])
   bool wait_for_streams = true;
   std::size_t max_chunk_bytes = 1 * kGiB;  ///< largest physical handle; one page = per-page handles
   std::size_t keep_small_bytes = 0;  ///< freed small blocks kept for reuse at their size (0: none)
