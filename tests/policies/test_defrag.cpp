@@ -329,7 +329,7 @@ TEST_CASE("defrag: needs a backend with virtual memory", "[defrag][config]") {
 TEST_CASE("defrag: settings come from CACHEALLOC_CONF and are validated", "[defrag][config]") {
   const DefragSettings d = settings_from("");
   CHECK(d.grow_slack == 0.01);
-  CHECK(d.small_size == 256 * kKiB);  // Note [Which requests are small]
+  CHECK(d.small_size == 1 * MiB);  // Note [Which requests are small]
   CHECK(d.wait_for_streams);
   CHECK(d.va_reserve_bytes == 0);
   const DefragSettings s =

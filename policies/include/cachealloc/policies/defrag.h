@@ -20,7 +20,7 @@
 // Requests up to small_size go to a second address range, so small long-lived tensors do not
 // pin the pages of large holes (Note [Which requests are small]). Only pages wholly inside a free hole move, so peak reserved is
 // about max((1 + grow_slack) x peak live bytes, peak live bytes + the partly used pages at the
-// edges of free holes): 1.010 / 1.004 / 1.016 of peak requested on the shared traces (gpt2,
+// edges of free holes): 1.010 / 1.008 / 1.010 of peak requested on the shared traces (gpt2,
 // resnet50, two-stream MLP).
 //
 // Settings (CACHEALLOC_CONF, e.g. "policy:defrag,grow_slack:0.005,va_reserve_gb:512"):
@@ -34,7 +34,7 @@
 //                     to moves], Note [A time budget for moves], defrag_grow.cpp)
 //   small_size        requests up to this size go to their own address range, so that small
 //                     long-lived tensors do not pin the pages of large holes (bytes, default
-//                     256KB; 0 = one range for all sizes) (Note [Which requests are small])
+//                     1MB; 0 = one range for all sizes) (Note [Which requests are small])
 //   move_budget       the share of elapsed time that growths which move pages (or wait for a
 //                     stream to move them) may take before the slack rises (default 0.02; 1 =
 //                     never on time)
@@ -50,19 +50,25 @@
 //                     freed small blocks in defrag], defrag.cpp)
 //
 // Note [Which requests are small]
-// The small range is for blocks that share pages many to a page and often live long (norm
-// weights, biases, optimizer scalars): among the large blocks each could pin a page of a large
-// hole. It was up to 1 MiB, PyTorch's own boundary. Blocks of 256 KiB-1 MiB behave like large
-// ones in the jobs measured: in the e2e resnet50 recording 4,539 of them, short-lived
-// activations (median lifetime 104 trace events), spread the small range over pages its
-// long-lived tiny blocks then pinned. Up to 256 KiB (replayed, peak reserved / peak requested):
-// e2e resnet50 1.014 -> 1.005, resnet50_train 1.008 -> 1.004, e2e gpt2 1.004, gpt2_train_varlen
-// 1.010, e2e pipeline 1.243 unchanged (it has no block in that range); mlp_two_streams 1.010 ->
-// 1.016: its one block of that size lives for the whole trace and now pins a large-range page.
-// On the H200 (bench/results/e2e_h200_2026-12-03_session10c_settings.md, 5 runs each):
-// resnet50 3,314 MiB in every run against 3,322-3,330 with 1 MiB (expandable_segments 3,330),
-// 763 against 821 us per step in the allocator; gpt2 17,568 against 17,572 MiB.
-// 512 KiB gave e2e gpt2 1.011, 64 KiB 1.010; 128 KiB was as 256 KiB.
+// Small blocks get an address range of their own because they share pages many to a page and
+// many live long (norm weights, biases, library workspaces): among large blocks each could pin
+// a page of a large hole. The boundary is PyTorch's, 1 MiB. Two others were measured (session
+// 10) and rejected:
+//   * 256 KiB: the e2e resnet50 recording's 4,539 short-lived activations of 256 KiB-1 MiB then
+//     go to the large range, where they fill the partly used pages at the edges of its holes:
+//     replayed 1.014 -> 1.005 of peak requested (resnet50_train 1.008 -> 1.004), on the H200
+//     3,314 MiB in every run against 3,322-3,332 (expandable_segments 3,330). But the few
+//     long-lived blocks of that size then pin large-range pages: cuBLAS workspaces of about
+//     1 MiB, made at the first matrix product (the pipeline's recording lacks them: they were
+//     made before it) and mlp_two_streams' one such block. On the H200 the pipeline moved about
+//     3.5x the pages (median 248 against 71 per run) and peaked at a median 3,610 and 3,634 MiB
+//     against expandable's 3,598 (bench/results/e2e_h200_2026-12-03_session10c_settings.md,
+//     ..._session10d_small_size.md); replayed, mlp_two_streams 1.010 -> 1.016.
+//   * a third range for 256 KiB-1 MiB (blocks share pages only with blocks within 4x their
+//     size): the resnet50 gain is gone (1.014, resnet50_train 1.008; e2e gpt2 1.004 -> 1.007),
+//     since it came from those blocks filling the large holes' edges.
+// So the setting stays 1 MiB; small_size:256KB suits jobs without long-lived blocks of that size
+// (README, "Two defrag settings").
 //
 // Note [Physical pages and the streams that used them]
 // A page may only be unmapped once the streams that used it finished that work, and a hole
@@ -106,7 +112,7 @@ struct DefragSettings {
   double grow_slack = 0.01;
   double max_grow_slack = 0.25;  ///< how far the slack may rise when pages keep moving
   double move_budget = 0.02;     ///< share of elapsed time page moves may take before the slack rises
-  std::size_t small_size = 256 * kKiB;  ///< 0 = small requests share the large range (Note [Which requests are small])
+  std::size_t small_size = 1 * kMiB;  ///< 0 = small requests share the large range (Note [Which requests are small])
   bool wait_for_streams = true;
   std::size_t max_chunk_bytes = 1 * kGiB;  ///< largest physical handle; one page = per-page handles
   std::size_t keep_small_bytes = 0;  ///< freed small blocks kept for reuse at their size (0: none)
