@@ -8,6 +8,11 @@ the snapshot is written as OUT_DIR/e2e_<workload>.pickle.xz, which `cachealloc-r
 These recordings let a policy's behaviour on the e2e workloads (device calls per step, peak) be
 studied on the simulated device, without GPU time.
 
+Each workload is recorded in a fresh process, as run_e2e.py runs it: the libraries' own
+allocations made at first use (cuBLAS workspaces of about 1 MiB, long-lived) then appear in every
+recording, not only in the first workload of a shared process (recordings before session 10
+lacked them for resnet50 and the pipeline; Note [Which requests are small], defrag.h).
+
   python3 tools/scripts/record_e2e_traces.py --out-dir DIR [--workloads gpt2,resnet50,pipeline]
                                              [--steps N] [--seed 0]
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import lzma
 import pickle
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,8 +53,18 @@ def main() -> int:
         return 2
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    names = [w for w in args.workloads.split(",") if w]
+    if len(names) > 1:  # one fresh process per workload
+        for name in names:
+            cmd = [sys.executable, __file__, "--out-dir", str(out), "--workloads", name, "--seed", str(args.seed)]
+            if args.steps is not None:
+                cmd += ["--steps", str(args.steps)]
+            r = subprocess.run(cmd)
+            if r.returncode != 0:
+                return r.returncode
+        return 0
     device = torch.device("cuda")
-    for name in args.workloads.split(","):
+    for name in names:
         steps = args.steps if args.steps is not None else DEFAULT_STEPS[name]
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
