@@ -58,12 +58,13 @@
 //     go to the large range, where they fill the partly used pages at the edges of its holes:
 //     replayed 1.014 -> 1.005 of peak requested (resnet50_train 1.008 -> 1.004), on the H200
 //     3,314 MiB in every run against 3,322-3,332 (expandable_segments 3,330). But the few
-//     long-lived blocks of that size then pin large-range pages: cuBLAS workspaces of about
-//     1 MiB, made at the first matrix product (the pipeline's recording lacks them: they were
-//     made before it) and mlp_two_streams' one such block. On the H200 the pipeline moved about
-//     3.5x the pages (median 248 against 71 per run) and peaked at a median 3,610 and 3,634 MiB
-//     against expandable's 3,598 (bench/results/e2e_h200_2026-12-03_session10c_settings.md,
-//     ..._session10d_small_size.md); replayed, mlp_two_streams 1.010 -> 1.016.
+//     long-lived blocks of that size then pin large-range pages: the cuBLAS workspace (one
+//     block of 1 MiB made at the first matrix product and kept), in the pipeline and in
+//     mlp_two_streams. On the H200 the pipeline moved about 3.5x the pages (median 248 against
+//     71 per run) and peaked at a median 3,610 and 3,634 MiB against expandable's 3,598
+//     (bench/results/e2e_h200_2026-12-03_session10c_settings.md, ..._session10d_small_size.md);
+//     replayed, mlp_two_streams 1.010 -> 1.016 and the e2e pipeline recording 1.189 -> 1.250
+//     (the recordings of session 10, made in fresh processes, have the workspace).
 //   * a third range for 256 KiB-1 MiB (blocks share pages only with blocks within 4x their
 //     size): the resnet50 gain is gone (1.014, resnet50_train 1.008; e2e gpt2 1.004 -> 1.007),
 //     since it came from those blocks filling the large holes' edges.
