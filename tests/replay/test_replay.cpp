@@ -37,6 +37,21 @@ const replay::PreparedTrace& prepared(const std::string& file) {
   return it->second;
 }
 
+#ifdef CACHEALLOC_HAS_NATIVE
+/// The native model replays `t` with the trace's own settings and makes exactly the device
+/// reservations of the recorded run, to its peak.
+void check_native_matches(const replay::PreparedTrace& t, std::uint64_t recorded_peak) {
+  replay::ReplayOptions opts;
+  opts.check_fidelity = true;
+  const replay::PolicyResult r = replay::run(t, "native", replay::native_conf_from_settings(t.settings), opts);
+  REQUIRE(r.fidelity);
+  INFO(r.fidelity->detail);
+  CHECK_FALSE(r.fidelity->first_divergence_event);
+  CHECK(r.fidelity->model_segments == r.fidelity->recorded_segments);
+  CHECK(r.peak_reserved == recorded_peak);
+}
+#endif
+
 }  // namespace
 
 TEST_CASE("replay: the recorded native curve and peak requested bytes match PyTorch's figures",
@@ -80,16 +95,7 @@ TEST_CASE("replay: a small device makes allocations fail without corrupting anyt
 TEST_CASE("replay: native makes exactly the recorded device reservations", "[replay][native]") {
   for (const Expected& e : kTraces) {
     INFO(e.file);
-    const replay::PreparedTrace& t = prepared(e.file);
-    replay::ReplayOptions opts;
-    opts.check_fidelity = true;
-    const replay::PolicyResult r =
-        replay::run(t, "native", replay::native_conf_from_settings(t.settings), opts);
-    REQUIRE(r.fidelity);
-    INFO(r.fidelity->detail);
-    CHECK_FALSE(r.fidelity->first_divergence_event);
-    CHECK(r.fidelity->model_segments == r.fidelity->recorded_segments);
-    CHECK(r.peak_reserved == e.recorded_peak);
+    check_native_matches(prepared(e.file), e.recorded_peak);
   }
 }
 #endif
@@ -106,13 +112,7 @@ TEST_CASE("replay: the e2e recordings: native matches PyTorch's reservations, de
     const auto snapshot =
         trace::read_snapshot(std::string(CACHEALLOC_E2E_RECORDINGS_DIR) + "/" + name + ".pickle.xz");
     const replay::PreparedTrace t = replay::prepare(snapshot, name);
-    replay::ReplayOptions opts;
-    opts.check_fidelity = true;
-    const replay::PolicyResult native = replay::run(t, "native", replay::native_conf_from_settings(t.settings), opts);
-    REQUIRE(native.fidelity);
-    INFO(native.fidelity->detail);
-    CHECK_FALSE(native.fidelity->first_divergence_event);
-    CHECK(native.peak_reserved == t.recorded_peak_reserved);
+    check_native_matches(t, t.recorded_peak_reserved);
     replay::ReplayOptions plain;
     plain.check_every = 997;
     const replay::PolicyResult expandable = replay::run(t, "native", "expandable_segments:True", plain);
