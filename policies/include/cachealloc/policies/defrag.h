@@ -18,10 +18,10 @@
 //      its recently freed pages; else new pages (Note [Where new pages come from],
 //      defrag_grow.cpp).
 // Requests up to small_size go to a second address range, so small long-lived tensors do not
-// pin the pages of large holes (Note [Which requests are small]). Only pages wholly inside a free hole move, so peak reserved is
-// about max((1 + grow_slack) x peak live bytes, peak live bytes + the partly used pages at the
-// edges of free holes): 1.010 / 1.008 / 1.010 of peak requested on the shared traces (gpt2,
-// resnet50, two-stream MLP).
+// pin the pages of large holes (Note [Which requests are small]). Only pages wholly inside a
+// free hole move, so peak reserved is about max((1 + grow_slack) x peak live bytes, peak live
+// bytes + the partly used pages at the edges of free holes): 1.010 / 1.008 / 1.010 of peak
+// requested on the shared traces (gpt2, resnet50, two-stream MLP).
 //
 // Settings (CACHEALLOC_CONF, e.g. "policy:defrag,grow_slack:0.005,va_reserve_gb:512"):
 //   va_reserve_gb     virtual address space reserved per range, in GiB (default: twice the
@@ -113,7 +113,8 @@ struct DefragSettings {
   double grow_slack = 0.01;
   double max_grow_slack = 0.25;  ///< how far the slack may rise when pages keep moving
   double move_budget = 0.02;     ///< share of elapsed time page moves may take before the slack rises
-  std::size_t small_size = 1 * kMiB;  ///< 0 = small requests share the large range (Note [Which requests are small])
+  /// 0 = small requests share the large range (Note [Which requests are small])
+  std::size_t small_size = 1 * kMiB;
   bool wait_for_streams = true;
   std::size_t max_chunk_bytes = 1 * kGiB;  ///< largest physical handle; one page = per-page handles
   std::size_t keep_small_bytes = 0;  ///< freed small blocks kept for reuse at their size (0: none)
