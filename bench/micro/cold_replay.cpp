@@ -20,7 +20,12 @@
 //   2. Each row (a policy with its CACHEALLOC_CONF settings) gets a fresh front end,
 //      make_allocator(policy, SimBackend, Config) as cachealloc-micro builds it, and runs
 //      --warm passes unmeasured and without eviction, to reach the steady state of a training
-//      loop (segments reserved, caches filled).
+//      loop (segments reserved, caches filled). The simulated device runs as in
+//      cachealloc-replay: its clock follows the trace's time, pass after pass, and charges the
+//      H200's cost of each device call (Note [Simulated time]), so a policy that judges its page
+//      moves by time (defrag) settles as it does there and on the GPU. (Before session 11 the
+//      clock stood still, defrag kept moving pages in every pass, and its figures included that
+//      work.)
 //   3. In the --passes measured passes, before every call and outside the timed region, it
 //      stores to one word per 64-byte line of --evict bytes of other memory, runs 64 KiB of
 //      straight-line code (pushes the allocator's code out of a 32 KiB L1i; x86-64 only) and
@@ -82,6 +87,7 @@ struct ColdOp {
   StreamId stream;       // alloc: stream
   std::uint32_t slot;    // which block (index into the pointer table)
   bool is_alloc;
+  std::uint64_t time_ns = 0;  // the trace's time of the call (Note [Simulated time]); 0: none
 };
 
 struct Workload {
@@ -92,6 +98,7 @@ struct Workload {
   std::uint64_t frees_at_end = 0; // frees of blocks the trace leaves live, at the end of a pass
   std::size_t streams = 0;        // distinct allocating streams
   int device = 0;
+  std::uint64_t duration_ns = 0;  // the trace's time from its first to its last call
 };
 
 Workload workload_from_trace(const replay::PreparedTrace& trace, std::string name) {
@@ -104,7 +111,7 @@ Workload workload_from_trace(const replay::PreparedTrace& trace, std::string nam
   for (const replay::Op& op : trace.ops) {
     switch (op.kind) {
       case replay::OpKind::alloc:
-        w.ops.push_back({op.size, op.stream, op.slot, true});
+        w.ops.push_back({op.size, op.stream, op.slot, true, op.time_us * 1000});
         live[op.slot] = true;
         streams.insert(op.stream);
         ++w.allocs;
@@ -112,7 +119,7 @@ Workload workload_from_trace(const replay::PreparedTrace& trace, std::string nam
       case replay::OpKind::free:
       case replay::OpKind::free_deferred:  // Note [Cold replay], step 1
         if (live[op.slot]) {
-          w.ops.push_back({0, 0, op.slot, false});
+          w.ops.push_back({0, 0, op.slot, false, op.time_us * 1000});
           live[op.slot] = false;
         }
         break;
@@ -120,9 +127,10 @@ Workload workload_from_trace(const replay::PreparedTrace& trace, std::string nam
         break;
     }
   }
+  w.duration_ns = w.ops.empty() ? 0 : w.ops.back().time_ns;
   for (std::uint32_t slot = 0; slot < trace.slots; ++slot) {
     if (live[slot]) {
-      w.ops.push_back({0, 0, slot, false});
+      w.ops.push_back({0, 0, slot, false, w.duration_ns});
       ++w.frees_at_end;
     }
   }
@@ -240,6 +248,7 @@ struct Row {
 std::unique_ptr<DeviceAllocator> make_row_allocator(const Row& row) {
   SimOptions options;
   options.auto_complete_events = true;        // Note [Simulated events] (sim_backend.h)
+  options.model_call_costs = true;            // as cachealloc-replay: Note [Simulated time]
   options.capacity = std::size_t{1} << 40;    // simulated: no replay runs out of memory
   Config config = Config::parse(row.conf);
   (void)config.take_string("policy");
@@ -400,9 +409,20 @@ RunTicks run_once(const Row& row, const Workload& w, int warm, int passes, Evict
                   std::uint64_t overhead) {
   const std::unique_ptr<DeviceAllocator> owner = make_row_allocator(row);
   DeviceAllocator& allocator = *owner;
+  // Note [Simulated time] (sim_backend.h): the device's clock follows the trace's, pass after
+  // pass, as in cachealloc-replay, so that a policy judging its moves by time (defrag) settles
+  // as it does there. Untimed.
+  auto* sim = dynamic_cast<SimBackend*>(&allocator.backend());
+  std::uint64_t pass_origin = 0;
+  const auto follow_clock = [&](const ColdOp& op) {
+    if (sim != nullptr) {
+      sim->advance_clock_to(pass_origin + op.time_ns);
+    }
+  };
   std::vector<void*> ptrs(w.slots, nullptr);
-  for (int p = 0; p < warm; ++p) {
+  for (int p = 0; p < warm; ++p, pass_origin += w.duration_ns + 1) {
     for (const ColdOp& op : w.ops) {
+      follow_clock(op);
       if (op.is_alloc) {
         ptrs[op.slot] = allocator.allocate(op.size, op.stream);
       } else {
@@ -414,8 +434,9 @@ RunTicks run_once(const Row& row, const Workload& w, int warm, int passes, Evict
   const bool evict = evictor.active();
   std::int64_t alloc_ticks = 0;
   std::int64_t free_ticks = 0;
-  for (int p = 0; p < passes; ++p) {
+  for (int p = 0; p < passes; ++p, pass_origin += w.duration_ns + 1) {
     for (const ColdOp& op : w.ops) {
+      follow_clock(op);
       if (evict) {
         evictor.run();
       }

@@ -155,6 +155,12 @@ class alignas(64) DefragEngine {
   void check_invariants() const;
   [[nodiscard]] std::vector<SegmentView> segments() const;
   [[nodiscard]] DefragBreakdown breakdown() const;
+  /// One stream class and no recent lists: where a block goes depends only on the live blocks
+  /// and the mapped pages, never on which events completed (DefragPolicy::placement_repeats).
+  [[nodiscard]] bool placement_repeats() const noexcept {
+    return streams_.size() <= 1 && recent_max_ == 0;
+  }
+  void note_repeated(std::uint64_t allocations) noexcept { window_allocations_ += allocations; }
   [[nodiscard]] const DefragCounters& counters() const noexcept { return counters_; }
   [[nodiscard]] const DefragSettings& settings() const noexcept { return settings_; }
 

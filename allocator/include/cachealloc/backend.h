@@ -42,6 +42,12 @@ struct BackendCounters {
   std::uint64_t mapped_bytes = 0;        ///< bytes passed to map(), cumulative
   std::uint64_t unmapped_bytes = 0;      ///< bytes passed to unmap(), cumulative
   std::uint64_t events_recorded = 0;     ///< record_event() calls
+
+  /// Calls that changed which device memory is held or mapped (Note [The step memo]).
+  [[nodiscard]] std::uint64_t mapping_calls() const noexcept {
+    return reserve_calls + release_calls + physical_creates + physical_releases + map_calls +
+           unmap_calls;
+  }
 };
 
 /// One handle of a run mapped by VirtualMemory::map_run.

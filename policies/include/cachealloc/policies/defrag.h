@@ -198,6 +198,12 @@ class DefragPolicy {
   [[nodiscard]] std::size_t live_bytes() const noexcept;
   /// reserved_bytes() split into live, edge and cached bytes.
   [[nodiscard]] DefragBreakdown breakdown() const;
+  /// True while placement depends only on the calls (one stream seen, no recently freed lists):
+  /// the front end's step memo may serve repeated calls (Note [The step memo], allocator.h).
+  [[nodiscard]] bool placement_repeats() const noexcept;
+  /// The step memo served `allocations` allocations (whole periods) without calling allocate():
+  /// they count towards the moves' density as if it had (Note [Slack that adapts to moves]).
+  void note_repeated(std::uint64_t allocations) noexcept;
 
   /// Parses the keys of config_keys() from `config` (marking them used).
   static DefragSettings parse_settings(Config& config);
