@@ -26,6 +26,7 @@ stage=$(mktemp -d "${TMPDIR:-/tmp}/gpu-bundle-stage.XXXXXX")
 trap 'rm -rf "$stage"' EXIT
 for f in tests/gpu/cachealloc_gpu_tests allocator/plugin/libcachealloc_plugin.so allocator/plugin/libcachealloc_capi.so \
          bench/replay/cachealloc-replay bench/micro/cachealloc-micro bench/micro/cachealloc-micro-cuda \
+         bench/micro/cachealloc-cold-replay \
          allocator/torch/libcachealloc_torch.so allocator/torch/cachealloc_torch_tests \
          bench/libtorch_app/cachealloc_libtorch_app bench/libcuda_call_timer.so; do
   [[ -f $BUILD/$f ]] || { echo "make_gpu_bundle: $BUILD/$f was not built" >&2; exit 1; }
@@ -33,7 +34,7 @@ for f in tests/gpu/cachealloc_gpu_tests allocator/plugin/libcachealloc_plugin.so
 done
 # Shared libraries the device image does not have: Google Benchmark (libbenchmark.so.1debian on
 # Debian/Ubuntu), copied under the name the binaries ask for (the soname), symlinks resolved.
-for bin in "$stage"/cachealloc-micro "$stage"/cachealloc-micro-cuda "$stage"/cachealloc-replay "$stage"/cachealloc_gpu_tests; do
+for bin in "$stage"/cachealloc-micro "$stage"/cachealloc-micro-cuda "$stage"/cachealloc-replay "$stage"/cachealloc-cold-replay "$stage"/cachealloc_gpu_tests; do
   ldd "$bin" | awk '$2 == "=>" && $1 ~ /^libbenchmark/ {print $1, $3}' | while read -r soname path; do
     cp -fL "$path" "$stage/$soname"
   done
