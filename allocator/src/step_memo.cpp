@@ -54,6 +54,7 @@ bool MemoLearner::watch(const MemoOp& op, std::uint64_t calls, std::uint64_t map
   mapping_at_start_ = mapping_calls;
   log_.resize(period_);  // may throw bad_alloc: the front end turns the memo off then
   votes_ = {};
+  ++outcomes_.started;
   return false;
 }
 
@@ -62,7 +63,17 @@ bool MemoLearner::verify(const MemoOp& op, bool quiet, std::uint64_t mapping_cal
   const bool same = quiet && mapping_calls == mapping_at_start_ &&
                     (first || op.stream == log_[0].stream) && (!comparing_ || log_[pos_] == op);
   if (!same) {
-    restart();
+    if (!quiet || mapping_calls != mapping_at_start_) {
+      ++outcomes_.not_quiet;
+    } else if (!first && op.stream != log_[0].stream) {
+      ++outcomes_.stream;
+    } else {
+      ++outcomes_.differed;
+      outcomes_.differed_at = pos_;
+    }
+    verifying_ = false;
+    comparing_ = false;
+    votes_ = {};
     return false;
   }
   if (!comparing_) {
@@ -81,6 +92,9 @@ bool MemoLearner::verify(const MemoOp& op, bool quiet, std::uint64_t mapping_cal
 }
 
 void MemoLearner::restart() noexcept {
+  if (verifying_) {
+    ++outcomes_.interrupted;
+  }
   verifying_ = false;
   comparing_ = false;
   votes_ = {};

@@ -163,6 +163,10 @@ COUNTER_KEYS = ("allocator_ns", "alloc_calls", "free_calls", "num_device_alloc",
                 # policy defrag's own counters (DefragPolicy::stat_counters())
                 "defrag.pages_moved", "defrag.chunks_moved", "defrag.stream_waits", "defrag.wait_ns",
                 "defrag.move_ns", "defrag.grow_allocations", "defrag.pages_created",
+                # the front end's step memo (Note [The step memo], allocator.h)
+                "memo.served", "memo.entries", "memo.exits", "memo.replayed", "memo.verify_started",
+                "memo.verify_differed", "memo.verify_not_quiet", "memo.verify_stream",
+                "memo.verify_interrupted",
                 # the timing wrapper of +timed configurations (cachealloc.native_allocator_stats())
                 "timed.allocator_ns", "timed.alloc_ns", "timed.free_ns", "timed.alloc_calls", "timed.free_calls")
 DEVICE_CALL_KEYS = ("num_device_alloc", "num_device_free", "num_maps", "num_unmaps", "pool.calls")

@@ -385,7 +385,13 @@ class CachingAllocator final : public DeviceAllocator {
                                 {"memo.entries", v(memo_entries_)},
                                 {"memo.exits", v(memo_exits_)},
                                 {"memo.replayed", v(memo_replayed_)},
-                                {"memo.period", v(memo_next_ != nullptr ? memo_.size() : 0)}});
+                                {"memo.period", v(memo_next_ != nullptr ? memo_.size() : 0)},
+                                {"memo.verify_started", v(learner_.outcomes().started)},
+                                {"memo.verify_differed", v(learner_.outcomes().differed)},
+                                {"memo.verify_differed_at", v(learner_.outcomes().differed_at)},
+                                {"memo.verify_not_quiet", v(learner_.outcomes().not_quiet)},
+                                {"memo.verify_stream", v(learner_.outcomes().stream)},
+                                {"memo.verify_interrupted", v(learner_.outcomes().interrupted)}});
     }
     if constexpr (requires(const P& p) { p.pool_calls(); }) {  // the policy lives on the pool
       if (StreamOrderedMemory* pool = backend_->stream_ordered()) {

@@ -64,6 +64,17 @@ class MemoLearner {
   [[nodiscard]] const std::vector<MemoOp>& period() const noexcept { return log_; }
   [[nodiscard]] bool verifying() const noexcept { return verifying_; }
 
+  /// How verifications ended (statistics: memo.verify_*).
+  struct Outcomes {
+    std::uint64_t started = 0;
+    std::uint64_t differed = 0;    ///< a call differed from the one a period earlier
+    std::uint64_t not_quiet = 0;   ///< a parked free, an observer or a device mapping call
+    std::uint64_t stream = 0;      ///< a call on another stream
+    std::uint64_t interrupted = 0; ///< restart(): the front end saw something else
+    std::uint64_t differed_at = 0; ///< the call of the period where the last difference was
+  };
+  [[nodiscard]] const Outcomes& outcomes() const noexcept { return outcomes_; }
+
   /// A hash of an allocation's address, size and stream: what is sampled and where it is kept.
   [[nodiscard]] static std::uint64_t signature(const MemoOp& op) noexcept {
     std::uint64_t h = static_cast<std::uint64_t>(op.ptr) >> 9;  // blocks are 512-byte aligned
@@ -98,6 +109,7 @@ class MemoLearner {
   std::uint64_t mapping_at_start_ = 0;
   std::vector<Last> last_;         // kSlots, allocated at the first sampled call
   std::vector<MemoOp> log_;        // the period being verified
+  Outcomes outcomes_;
 };
 
 }  // namespace cachealloc
