@@ -7,7 +7,7 @@ namespace cachealloc {
 bool MemoLearner::observe(const MemoOp& op, std::uint64_t calls, bool quiet,
                           std::uint64_t mapping_calls) {
   if (verifying_) {
-    return verify(op, quiet, mapping_calls);
+    return track(op, quiet, mapping_calls);
   }
   return watch(op, calls, mapping_calls);
 }
@@ -46,49 +46,58 @@ bool MemoLearner::watch(const MemoOp& op, std::uint64_t calls, std::uint64_t map
   if (++vote->count < kConfident) {
     return false;
   }
-  // Record the next `distance` calls exactly, then compare the ones after them.
+  // Track the candidate: keep the last `distance` calls and count the repeated ones.
+  log_.resize(distance);  // may throw bad_alloc: the front end turns the memo off then
   verifying_ = true;
-  comparing_ = false;
   period_ = distance;
   pos_ = 0;
-  mapping_at_start_ = mapping_calls;
-  log_.resize(period_);  // may throw bad_alloc: the front end turns the memo off then
+  filled_ = 0;
+  match_ = 0;
+  tracked_ = 0;
+  mapping_seen_ = mapping_calls;
+  stream_ = op.stream;
   votes_ = {};
   ++outcomes_.started;
   return false;
 }
 
-bool MemoLearner::verify(const MemoOp& op, bool quiet, std::uint64_t mapping_calls) {
-  const bool first = !comparing_ && pos_ == 0;  // fixes the stream of the whole period
-  const bool same = quiet && mapping_calls == mapping_at_start_ &&
-                    (first || op.stream == log_[0].stream) && (!comparing_ || log_[pos_] == op);
-  if (!same) {
-    if (!quiet || mapping_calls != mapping_at_start_) {
-      ++outcomes_.not_quiet;
-    } else if (!first && op.stream != log_[0].stream) {
-      ++outcomes_.stream;
-    } else {
-      ++outcomes_.differed;
-      outcomes_.differed_at = pos_;
-    }
+bool MemoLearner::track(const MemoOp& op, bool quiet, std::uint64_t mapping_calls) {
+  MemoOp& old = log_[pos_];  // the call one period before this one (once the ring is full)
+  if (!quiet || mapping_calls != mapping_seen_) {
+    ++outcomes_.not_quiet;
+    match_ = 0;
+  } else if (op.stream != stream_) {
+    ++outcomes_.stream;
+    match_ = 0;
+  } else if (filled_ < period_) {
+    ++filled_;
+  } else if (old == op) {
+    ++match_;
+  } else {
+    ++outcomes_.differed;
+    match_ = 0;
+  }
+  mapping_seen_ = mapping_calls;
+  stream_ = op.stream;
+  old = op;
+  pos_ = pos_ + 1 == period_ ? 0 : pos_ + 1;
+  if (match_ >= period_) {  // the last P calls repeated the P before them
     verifying_ = false;
-    comparing_ = false;
-    votes_ = {};
-    return false;
+    return true;
   }
-  if (!comparing_) {
-    log_[pos_] = op;
-    if (++pos_ == period_) {
-      comparing_ = true;
-      pos_ = 0;
-    }
-    return false;
+  if (++tracked_ > kGiveUp * period_) {
+    ++outcomes_.gave_up;
+    verifying_ = false;
   }
-  if (++pos_ < period_) {
-    return false;
+  return false;
+}
+
+void MemoLearner::period_into(std::vector<MemoOp>& out) const {
+  // The ring's oldest call (at pos_) is the one the next call should repeat.
+  out.resize(period_);
+  for (std::uint64_t i = 0; i < period_; ++i) {
+    out[i] = log_[(pos_ + i) % period_];
   }
-  verifying_ = false;  // done: the period repeated exactly
-  return true;
 }
 
 void MemoLearner::restart() noexcept {
@@ -96,7 +105,6 @@ void MemoLearner::restart() noexcept {
     ++outcomes_.interrupted;
   }
   verifying_ = false;
-  comparing_ = false;
   votes_ = {};
 }
 

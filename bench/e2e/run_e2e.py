@@ -166,7 +166,7 @@ COUNTER_KEYS = ("allocator_ns", "alloc_calls", "free_calls", "num_device_alloc",
                 # the front end's step memo (Note [The step memo], allocator.h)
                 "memo.served", "memo.entries", "memo.exits", "memo.replayed", "memo.verify_started",
                 "memo.verify_differed", "memo.verify_not_quiet", "memo.verify_stream",
-                "memo.verify_interrupted",
+                "memo.verify_interrupted", "memo.verify_gave_up", "memo.period",
                 # the timing wrapper of +timed configurations (cachealloc.native_allocator_stats())
                 "timed.allocator_ns", "timed.alloc_ns", "timed.free_ns", "timed.alloc_calls", "timed.free_calls")
 DEVICE_CALL_KEYS = ("num_device_alloc", "num_device_free", "num_maps", "num_unmaps", "pool.calls")

@@ -339,11 +339,11 @@ TEST_CASE("step memo: randomized steps, changes and queries, compared call by ca
   const std::uint64_t seed = GENERATE(1u, 2u, 3u, 4u, 5u, 6u);
   INFO("seed " << seed);
   std::mt19937_64 rng(seed);
-  std::vector<StepOp> step = make_step(rng, 8 + rng() % 40, 1000);
+  std::vector<StepOp> step = make_step(rng, 20 + rng() % 40, 1000);
   Twins t;
   for (int s = 0; s < 40; ++s) {
-    if (rng() % 6 == 0) {  // the job changes shape: a new step from here on
-      step = make_step(rng, 8 + rng() % 40, 1000 + 1000 * static_cast<std::size_t>(s));
+    if (s % 12 == 11) {  // the job changes shape: a new step from here on
+      step = make_step(rng, 20 + rng() % 40, 1000 + 1000 * static_cast<std::size_t>(s));
     }
     const std::size_t query_at = rng() % (step.size() + 1);
     const int query = static_cast<int>(rng() % 5);
@@ -376,5 +376,8 @@ TEST_CASE("step memo: randomized steps, changes and queries, compared call by ca
     }
   }
   t.check();
+  for (const auto& [k, v] : t.with_memo().stats().policy_counters) {
+    UNSCOPED_INFO(k << "=" << v);
+  }
   CHECK(t.memo("entries") >= 1);
 }

@@ -30,15 +30,20 @@ struct MemoOp {
 /// Finds out when the calls the front end executes repeat (Note [The step memo]) in two
 /// stages. Watching costs almost nothing: one allocation in kSampleEvery (by a hash of its
 /// address, size and stream) looks up where the same call was made last; when kConfident of them
-/// found it the same number of calls back, that distance is the candidate period.
-/// Verifying records the next period exactly and compares the one after it call by call: two
-/// equal periods, all on one stream, quiet (no free parked behind another stream, no device
-/// mapping call), and the memo takes over with the recorded period. Not thread-safe: the front
-/// end calls it under its lock.
+/// found it the same number of calls back, that distance is the candidate period P.
+/// Tracking keeps the last P calls in a ring and counts the calls in a row that equal the call
+/// P before them, were quiet (no free parked behind another stream, no device mapping call
+/// since the call before) and on one stream; at P in a row the last P calls repeated the P
+/// before them and the memo takes over with them. A difference only restarts the count (the
+/// ring stays), so a job that repeats after an irregular step is served one period later;
+/// tracking gives up after kGiveUp periods without success. Not thread-safe: the front end
+/// calls it under its lock.
 class MemoLearner {
  public:
   /// Longest period looked for, in calls (a ResNet-50 training step makes 2,424).
   static constexpr std::uint64_t kMaxPeriod = std::uint64_t{1} << 15;
+  /// Periods tracked without success before going back to watching.
+  static constexpr std::uint64_t kGiveUp = 8;
   /// One address in this many is watched.
   static constexpr std::uint64_t kSampleEvery = 8;
   /// Votes (sampled calls that found their last occurrence that many calls back) a distance
@@ -60,18 +65,19 @@ class MemoLearner {
   /// Drops a verification in progress and the detector's streak (a call that broke the
   /// pattern: one the memo did not expect, record_stream, empty_cache, an observer).
   void restart() noexcept;
-  /// The verified period, oldest call first (valid after observe() returned true).
-  [[nodiscard]] const std::vector<MemoOp>& period() const noexcept { return log_; }
+  /// The period that repeated, in the order the next calls are expected (valid after observe()
+  /// returned true).
+  void period_into(std::vector<MemoOp>& out) const;
   [[nodiscard]] bool verifying() const noexcept { return verifying_; }
 
-  /// How verifications ended (statistics: memo.verify_*).
+  /// What tracking saw (statistics: memo.verify_*).
   struct Outcomes {
-    std::uint64_t started = 0;
-    std::uint64_t differed = 0;    ///< a call differed from the one a period earlier
-    std::uint64_t not_quiet = 0;   ///< a parked free, an observer or a device mapping call
-    std::uint64_t stream = 0;      ///< a call on another stream
-    std::uint64_t interrupted = 0; ///< restart(): the front end saw something else
-    std::uint64_t differed_at = 0; ///< the call of the period where the last difference was
+    std::uint64_t started = 0;      ///< candidate periods tracked
+    std::uint64_t differed = 0;     ///< calls that differed from the one a period earlier
+    std::uint64_t not_quiet = 0;    ///< calls after a parked free, an observer or a mapping call
+    std::uint64_t stream = 0;       ///< calls on another stream than the one before
+    std::uint64_t interrupted = 0;  ///< restart() while tracking: the front end saw something else
+    std::uint64_t gave_up = 0;      ///< candidates dropped after kGiveUp periods
   };
   [[nodiscard]] const Outcomes& outcomes() const noexcept { return outcomes_; }
 
@@ -93,22 +99,25 @@ class MemoLearner {
   };
 
   bool watch(const MemoOp& op, std::uint64_t calls, std::uint64_t mapping_calls);
-  bool verify(const MemoOp& op, bool quiet, std::uint64_t mapping_calls);
+  bool track(const MemoOp& op, bool quiet, std::uint64_t mapping_calls);
 
   struct Vote {
     std::uint64_t distance = 0;
     std::uint32_t count = 0;
   };
 
-  bool verifying_ = false;
-  bool comparing_ = false;         // verifying: recording the first period (false) or comparing
+  bool verifying_ = false;         // tracking a candidate period
   std::array<Vote, 8> votes_{};    // watching: the distances seen most
   std::uint64_t sampled_ = 0;      // watching: sampled calls seen
-  std::uint64_t period_ = 0;       // verifying: the period's length
-  std::size_t pos_ = 0;            // verifying: calls recorded, or compared
-  std::uint64_t mapping_at_start_ = 0;
+  std::uint64_t period_ = 0;       // tracking: the candidate period P
+  std::size_t pos_ = 0;            // tracking: ring slot of the call P before the next one
+  std::uint64_t filled_ = 0;       // tracking: calls recorded (the ring is full at P)
+  std::uint64_t match_ = 0;        // tracking: calls in a row equal to the one P before
+  std::uint64_t tracked_ = 0;      // tracking: calls since it began
+  std::uint64_t mapping_seen_ = 0; // tracking: mapping calls at the call before
+  StreamId stream_ = 0;            // tracking: the stream of the call before
   std::vector<Last> last_;         // kSlots, allocated at the first sampled call
-  std::vector<MemoOp> log_;        // the period being verified
+  std::vector<MemoOp> log_;        // tracking: the ring of the last P calls
   Outcomes outcomes_;
 };
 
