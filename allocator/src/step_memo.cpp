@@ -46,14 +46,24 @@ bool MemoLearner::watch(const MemoOp& op, std::uint64_t calls, std::uint64_t map
   if (++vote->count < kConfident) {
     return false;
   }
-  // Track the candidate: keep the last `distance` calls and count the repeated ones.
-  log_.resize(distance);  // may throw bad_alloc: the front end turns the memo off then
+  // A job whose layout changed recently also repeats at multiples of its period: take the
+  // shortest distance with votes of its own that divides this one.
+  std::uint64_t period = distance;
+  for (const Vote& v : votes_) {
+    if (v.distance != 0 && v.distance < period && distance % v.distance == 0 &&
+        v.count >= kConfident / 4) {
+      period = v.distance;
+    }
+  }
+  // Track the candidate: keep the last `period` calls and count the repeated ones.
+  log_.resize(period);  // may throw bad_alloc: the front end turns the memo off then
   verifying_ = true;
-  period_ = distance;
+  period_ = period;
   pos_ = 0;
   filled_ = 0;
   match_ = 0;
   tracked_ = 0;
+  differed_ = 0;
   mapping_seen_ = mapping_calls;
   stream_ = op.stream;
   votes_ = {};
@@ -75,6 +85,7 @@ bool MemoLearner::track(const MemoOp& op, bool quiet, std::uint64_t mapping_call
     ++match_;
   } else {
     ++outcomes_.differed;
+    ++differed_;
     match_ = 0;
   }
   mapping_seen_ = mapping_calls;
@@ -85,9 +96,14 @@ bool MemoLearner::track(const MemoOp& op, bool quiet, std::uint64_t mapping_call
     verifying_ = false;
     return true;
   }
-  if (++tracked_ > kGiveUp * period_) {
+  if (++tracked_ > kGiveUp * period_ || differed_ > kGiveUpDiffered) {
+    // Back to watching, the period kept one vote short of tracking again: a job still settling
+    // (its layout changing) comes back to it at the next sampled call that repeats at it,
+    // rather than to a multiple of it.
     ++outcomes_.gave_up;
     verifying_ = false;
+    votes_ = {};
+    votes_[0] = Vote{period_, kConfident - 1};
   }
   return false;
 }

@@ -36,14 +36,17 @@ struct MemoOp {
 /// since the call before) and on one stream; at P in a row the last P calls repeated the P
 /// before them and the memo takes over with them. A difference only restarts the count (the
 /// ring stays), so a job that repeats after an irregular step is served one period later;
-/// tracking gives up after kGiveUp periods without success. Not thread-safe: the front end
+/// tracking gives up after kGiveUp periods or kGiveUpDiffered differing calls without success. Not thread-safe: the front end
 /// calls it under its lock.
 class MemoLearner {
  public:
   /// Longest period looked for, in calls (a ResNet-50 training step makes 2,424).
   static constexpr std::uint64_t kMaxPeriod = std::uint64_t{1} << 15;
-  /// Periods tracked without success before going back to watching.
+  /// Tracking goes back to watching after this many periods without success, or after this
+  /// many calls that differed from the call one period before (a job that does not repeat
+  /// would otherwise pay for the ring on every call).
   static constexpr std::uint64_t kGiveUp = 8;
+  static constexpr std::uint64_t kGiveUpDiffered = 256;
   /// One address in this many is watched.
   static constexpr std::uint64_t kSampleEvery = 8;
   /// Votes (sampled calls that found their last occurrence that many calls back) a distance
@@ -114,6 +117,7 @@ class MemoLearner {
   std::uint64_t filled_ = 0;       // tracking: calls recorded (the ring is full at P)
   std::uint64_t match_ = 0;        // tracking: calls in a row equal to the one P before
   std::uint64_t tracked_ = 0;      // tracking: calls since it began
+  std::uint64_t differed_ = 0;     // tracking: calls that differed since it began
   std::uint64_t mapping_seen_ = 0; // tracking: mapping calls at the call before
   StreamId stream_ = 0;            // tracking: the stream of the call before
   std::vector<Last> last_;         // kSlots, allocated at the first sampled call
