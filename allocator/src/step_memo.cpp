@@ -96,7 +96,7 @@ bool MemoLearner::track(const MemoOp& op, bool quiet, std::uint64_t mapping_call
     verifying_ = false;
     return true;
   }
-  if (++tracked_ > kGiveUp * period_ || differed_ > kGiveUpDiffered) {
+  if (++tracked_ > kGiveUp * period_ || differed_ > kGiveUpDiffered * period_) {
     // Back to watching, the period kept one vote short of tracking again: a job still settling
     // (its layout changing) comes back to it at the next sampled call that repeats at it,
     // rather than to a multiple of it.

@@ -82,7 +82,8 @@ std::int64_t counter(const Stats& s, const std::string& name) {
 class Twins {
  public:
   explicit Twins(const std::string& conf = "")
-      : memo_(make(conf)), plain_(make(conf.empty() ? "step_memo:False" : conf + ",step_memo:False")) {}
+      : memo_(make(conf)),
+        plain_(make(conf.empty() ? "step_memo:False" : conf + ",step_memo:False")) {}
 
   void* alloc(std::size_t slot, std::size_t bytes, StreamId stream = 1) {
     void* a = memo_->allocate(bytes, stream);
@@ -140,10 +141,11 @@ class Twins {
   static std::unique_ptr<DeviceAllocator> make(const std::string& conf) {
     SimOptions o;
     o.auto_complete_events = true;
-    o.model_call_costs = true;  // so that defrag's moves cost time and it settles (Note [Simulated time])
+    o.model_call_costs = true;  // defrag's moves cost time, so it settles (Note [Simulated time])
     o.capacity = std::size_t{1} << 40;
     Config config = Config::parse(conf);
-    auto a = std::make_unique<CachingAllocator<DefragPolicy>>(std::make_unique<SimBackend>(o), config);
+    auto a =
+        std::make_unique<CachingAllocator<DefragPolicy>>(std::make_unique<SimBackend>(o), config);
     config.finish("test", DefragPolicy::config_keys());
     return a;
   }

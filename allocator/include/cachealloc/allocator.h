@@ -48,11 +48,13 @@
 // with the same sizes, and defrag (deterministic) puts them at the same addresses. So:
 //   * Learning (step_memo.h, MemoLearner). One allocation in 8, by a hash of address, size and
 //     stream, looks up how many calls ago the same call was made; when 16 of them agree on a
-//     distance P, the next P calls are recorded and the P after them compared with them, call by
-//     call (address, size, block size, stream). Two equal periods, all on one stream, with no
+//     distance P, the learner keeps the last P calls in a ring and counts the calls in a row that
+//     equal the call P before them (address, size, block size, stream), on one stream, with no
 //     device mapping call (BackendCounters::mapping_calls) and no free parked behind another
-//     stream, and a policy whose placement depends only on the calls (placement_repeats():
-//     defrag with one stream and no recent lists) and the memo takes over.
+//     stream. A difference restarts the count, not the ring (defrag's layout takes a few steps
+//     to settle); 2P differing calls or 8P calls without success and it watches again. At P in
+//     a row, and a policy whose placement depends only on the calls (placement_repeats():
+//     defrag with one stream and no recent lists), the memo takes over with the ring.
 //   * Serving. allocate() and deallocate() compare the call with the next one of the period; if
 //     it is the same, they return (or accept) the period's address and step on: no policy, no
 //     pointer map, no tallies (about 3 lines; cachealloc-cold-replay, e2e ResNet-50 recording,
@@ -64,17 +66,18 @@
 //     of later periods, are what they were at the same point of W2: every address the memo hands
 //     out was free then and is free now. No page was mapped or unmapped during W2 nor since (the
 //     memo makes no device call), so it is still mapped; one stream means stream order alone
-//     makes reuse safe.
+//     makes reuse safe. (Only W2 need be quiet: the addresses served are W2's.)
 //   * Catching up (memo_sync). Whenever something needs the true state (check_invariants, find,
-//     segments, reset_peak_stats) the calls served are applied: whole periods only to the
-//     cumulative statistics (a period ends where it began; one is tallied for the peaks), the
-//     rest one by one through the real path. The policy, with the same live blocks and pages as
-//     when it executed W2, places them where it did then; memo_apply checks that every address
-//     agrees and throws InvariantError otherwise (the tests drive a twin with step_memo:False
-//     through the same calls and compare every address and statistic). Then the memo goes on.
-//     stats() needs no catching up: it tallies the served calls on copies.
+//     segments, reset_peak_stats, reset_accumulated_stats) the calls served are applied: whole
+//     periods only to the cumulative statistics (a period ends where it began; one is tallied
+//     for the peaks), the rest one by one through the real path. The policy, with the same live
+//     blocks and pages as when it executed W2, places them where it did then; memo_apply checks
+//     that every address agrees and throws InvariantError otherwise (the tests drive a twin with
+//     step_memo:False through the same calls and compare every address and statistic). Then the
+//     memo goes on. stats() needs no catching up: it tallies the served calls on copies.
 //   * Leaving. A call that differs from the period, record_stream, empty_cache,
-//     set_memory_fraction or an observer: catch up, stop serving and learn again. So a double free or a foreign pointer meets the normal checks.
+//     set_memory_fraction or an observer: catch up, stop serving and learn again. So a double
+//     free or a foreign pointer meets the normal checks.
 // Learning costs about 1% on jobs that never repeat (e2e GPT-2 recording, cold: 490 against
 // 484 ns per pair), 4% on the two-stream pipeline. `step_memo:False` (CACHEALLOC_CONF) turns it
 // off; a policy without placement_repeats() refuses step_memo:True.
@@ -770,8 +773,9 @@ class CachingAllocator final : public DeviceAllocator {
     s.active_bytes = Stat{allocated.current + parked_bytes_,
                           std::max(active_peak_bytes_, allocated.peak), s.allocated_bytes.allocated,
                           freed_bytes};
-    s.active = Stat{allocation.current + parked_count_, std::max(active_peak_count_, allocation.peak),
-                    s.allocation.allocated, freed_count};
+    s.active = Stat{allocation.current + parked_count_,
+                    std::max(active_peak_count_, allocation.peak), s.allocation.allocated,
+                    freed_count};
     s.alloc_calls = static_cast<std::uint64_t>(s.allocation.allocated);
     s.free_calls = static_cast<std::uint64_t>(s.allocation.freed);
     return s;
@@ -823,7 +827,8 @@ class CachingAllocator final : public DeviceAllocator {
   }
   /// The statistics' side of `count` calls of the period from index `from` (no policy, no map).
   void memo_tally(std::size_t from, std::uint64_t count, Tally& allocated, Tally& requested,
-                  Tally& allocation, std::int64_t& freed_bytes, std::int64_t& freed_count) const noexcept {
+                  Tally& allocation, std::int64_t& freed_bytes,
+                  std::int64_t& freed_count) const noexcept {
     const std::size_t period = memo_.size();
     for (std::size_t i = from; count > 0; --count) {
       const MemoOp& op = memo_[i];

@@ -36,17 +36,18 @@ struct MemoOp {
 /// since the call before) and on one stream; at P in a row the last P calls repeated the P
 /// before them and the memo takes over with them. A difference only restarts the count (the
 /// ring stays), so a job that repeats after an irregular step is served one period later;
-/// tracking gives up after kGiveUp periods or kGiveUpDiffered differing calls without success. Not thread-safe: the front end
+/// tracking gives up after kGiveUp periods, or kGiveUpDiffered periods of differing calls,
+/// without success. Not thread-safe: the front end
 /// calls it under its lock.
 class MemoLearner {
  public:
   /// Longest period looked for, in calls (a ResNet-50 training step makes 2,424).
   static constexpr std::uint64_t kMaxPeriod = std::uint64_t{1} << 15;
-  /// Tracking goes back to watching after this many periods without success, or after this
-  /// many calls that differed from the call one period before (a job that does not repeat
-  /// would otherwise pay for the ring on every call).
+  /// Tracking goes back to watching after this many periods without success, or once this
+  /// many periods' worth of calls differed from the call one period before (a job that does not
+  /// repeat stops paying for the ring soon; one whose layout is still settling keeps its ring).
   static constexpr std::uint64_t kGiveUp = 8;
-  static constexpr std::uint64_t kGiveUpDiffered = 256;
+  static constexpr std::uint64_t kGiveUpDiffered = 2;
   /// One address in this many is watched.
   static constexpr std::uint64_t kSampleEvery = 8;
   /// Votes (sampled calls that found their last occurrence that many calls back) a distance
