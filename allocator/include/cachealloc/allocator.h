@@ -268,12 +268,7 @@ class CachingAllocator final : public DeviceAllocator {
       sync_reserved();
       throw;
     }
-    map_.insert(reinterpret_cast<std::uintptr_t>(block.ptr),
-                Entry{block, bytes, stream, nullptr});
-    // Note [Cheap statistics on the fast path]
-    allocated_.increase(static_cast<std::int64_t>(block.size));
-    requested_.increase(static_cast<std::int64_t>(bytes));
-    allocation_.increase(1);
+    account_allocation(block, bytes, stream);
     if (parked_count_ != 0) {  // active = allocated + parked exceeds allocated only now
       note_active_peak();
     }
@@ -308,9 +303,7 @@ class CachingAllocator final : public DeviceAllocator {
     if (!map_.take(key, e)) {
       refuse_unknown(ptr, "free");
     }
-    allocated_.decrease(static_cast<std::int64_t>(e.block.size));
-    requested_.decrease(static_cast<std::int64_t>(e.requested));
-    allocation_.decrease(1);
+    account_free(e);
     if (observer_) {
       notify(AllocatorEvent::free_requested, key, e.requested, e.stream);
     }
@@ -763,10 +756,7 @@ class CachingAllocator final : public DeviceAllocator {
     if (memo_next_ != nullptr) {
       const std::uint64_t period = memo_.size();
       const std::uint64_t whole = memo_served_ / period;
-      if (whole > 0) {  // one period for the peaks, the others only for the cumulative figures
-        memo_tally(memo_sync_, period, allocated, requested, allocation, freed_bytes, freed_count);
-        memo_add_periods(whole - 1, allocated, requested, allocation, freed_bytes, freed_count);
-      }
+      memo_tally_periods(whole, allocated, requested, allocation, freed_bytes, freed_count);
       memo_tally(memo_sync_, memo_served_ % period, allocated, requested, allocation, freed_bytes,
                  freed_count);
     }
@@ -812,6 +802,21 @@ class CachingAllocator final : public DeviceAllocator {
 
   std::string unknown_pointer_message(const void* ptr, std::string_view what) const;
 
+  /// A block handed out: its pointer-map entry and the tallies (Note [Cheap statistics on the
+  /// fast path]). Caller holds mutex_.
+  void account_allocation(const Block& block, std::size_t bytes, StreamId stream) {
+    map_.insert(reinterpret_cast<std::uintptr_t>(block.ptr), Entry{block, bytes, stream, nullptr});
+    allocated_.increase(static_cast<std::int64_t>(block.size));
+    requested_.increase(static_cast<std::int64_t>(bytes));
+    allocation_.increase(1);
+  }
+  /// A live block's entry, just taken from the pointer map, leaves the tallies.
+  void account_free(const Entry& e) noexcept {
+    allocated_.decrease(static_cast<std::int64_t>(e.block.size));
+    requested_.decrease(static_cast<std::int64_t>(e.requested));
+    allocation_.decrease(1);
+  }
+
   // ---- the step memo (Note [The step memo]); caller holds mutex_ ----
   /// A policy that can say when its placement depends only on the calls (placement_repeats()).
   static constexpr bool memo_capable() noexcept {
@@ -853,15 +858,30 @@ class CachingAllocator final : public DeviceAllocator {
       i = i + 1 == period ? 0 : i + 1;
     }
   }
-  /// `n` more whole periods: only the cumulative figures move (a period ends where it began).
-  void memo_add_periods(std::uint64_t n, Tally& allocated, Tally& requested, Tally& allocation,
-                        std::int64_t& freed_bytes, std::int64_t& freed_count) const noexcept {
-    const auto k = static_cast<std::int64_t>(n);
-    allocated.freed += k * memo_period_freed_bytes_;
-    requested.freed += k * memo_period_freed_requested_;
-    allocation.freed += k * memo_period_frees_;
-    freed_bytes += k * memo_period_freed_bytes_;
-    freed_count += k * memo_period_frees_;
+  /// `whole` periods from index memo_sync_: the first tallied call by call (for the peaks), the
+  /// others only in the cumulative figures, by what that one freed (a period ends where it
+  /// began). Returns the frees in them.
+  std::int64_t memo_tally_periods(std::uint64_t whole, Tally& allocated, Tally& requested,
+                                  Tally& allocation, std::int64_t& freed_bytes,
+                                  std::int64_t& freed_count) const noexcept {
+    if (whole == 0) {
+      return 0;
+    }
+    const std::int64_t bytes_before = allocated.freed;
+    const std::int64_t requested_before = requested.freed;
+    const std::int64_t frees_before = allocation.freed;
+    memo_tally(memo_sync_, memo_.size(), allocated, requested, allocation, freed_bytes,
+               freed_count);
+    const std::int64_t bytes = allocated.freed - bytes_before;
+    const std::int64_t requested_bytes = requested.freed - requested_before;
+    const std::int64_t frees = allocation.freed - frees_before;
+    const auto more = static_cast<std::int64_t>(whole - 1);
+    allocated.freed += more * bytes;
+    requested.freed += more * requested_bytes;
+    allocation.freed += more * frees;
+    freed_bytes += more * bytes;
+    freed_count += more * frees;
+    return static_cast<std::int64_t>(whole) * frees;
   }
   /// After a call went through the policy: tell the learner, and let the memo take over once
   /// the calls repeat. Never throws (out of host memory the memo just stays off).
@@ -879,14 +899,6 @@ class CachingAllocator final : public DeviceAllocator {
       memo_enabled_ = false;
       return;
     }
-    memo_period_freed_bytes_ = memo_period_freed_requested_ = memo_period_frees_ = 0;
-    for (const MemoOp& m : memo_) {
-      if (m.is_free()) {
-        memo_period_freed_bytes_ += static_cast<std::int64_t>(m.block_size);
-        memo_period_freed_requested_ += static_cast<std::int64_t>(m.bytes());
-        ++memo_period_frees_;
-      }
-    }
     memo_sync_ = 0;
     memo_served_ = 0;
     memo_next_ = memo_.data();
@@ -902,15 +914,11 @@ class CachingAllocator final : public DeviceAllocator {
     }
     const std::uint64_t period = memo_.size();
     const std::uint64_t whole = memo_served_ / period;
-    if (whole > 0) {  // whole periods end where they began: the statistics only
-      memo_tally(memo_sync_, period, allocated_, requested_, allocation_, active_freed_bytes_,
-                 active_freed_count_);
-      memo_add_periods(whole - 1, allocated_, requested_, allocation_, active_freed_bytes_,
-                       active_freed_count_);
-      if constexpr (requires(P& p, std::uint64_t n) { p.note_repeated(n); }) {
-        // As many allocations as frees in a period.
-        policy_.note_repeated(whole * static_cast<std::uint64_t>(memo_period_frees_));
-      }
+    // Whole periods end where they began: the statistics only.
+    const std::int64_t frees = memo_tally_periods(whole, allocated_, requested_, allocation_,
+                                                  active_freed_bytes_, active_freed_count_);
+    if constexpr (requires(P& p, std::uint64_t n) { p.note_repeated(n); }) {
+      policy_.note_repeated(static_cast<std::uint64_t>(frees));  // as many allocations as frees
     }
     memo_served_total_ += memo_served_;
     std::uint64_t rest = memo_served_ % period;
@@ -946,9 +954,7 @@ class CachingAllocator final : public DeviceAllocator {
       if (!map_.take(op.ptr, e)) {
         throw InvariantError("step memo: a repeated free found its block not live");
       }
-      allocated_.decrease(static_cast<std::int64_t>(e.block.size));
-      requested_.decrease(static_cast<std::int64_t>(e.requested));
-      allocation_.decrease(1);
+      account_free(e);
       complete_free(e.block, e.requested, e.stream);
       return;
     }
@@ -957,10 +963,7 @@ class CachingAllocator final : public DeviceAllocator {
       throw InvariantError("step memo: policy " + std::string(P::kName) +
                            " placed a repeated allocation elsewhere than the first time");
     }
-    map_.insert(op.ptr, Entry{b, op.bytes(), op.stream, nullptr});
-    allocated_.increase(static_cast<std::int64_t>(b.size));
-    requested_.increase(static_cast<std::int64_t>(op.bytes()));
-    allocation_.increase(1);
+    account_allocation(b, op.bytes(), op.stream);
   }
 
   // Note [Hot fields first]: inside a training step every allocator call finds the CPU caches
@@ -998,9 +1001,6 @@ class CachingAllocator final : public DeviceAllocator {
   MemoLearner learner_;
   std::vector<MemoOp> memo_;          // the period being served
   std::size_t memo_sync_ = 0;         // memo_ index up to which the policy saw the calls
-  std::int64_t memo_period_freed_bytes_ = 0;  // one period's frees: block bytes,
-  std::int64_t memo_period_freed_requested_ = 0;  // requested bytes
-  std::int64_t memo_period_frees_ = 0;  // and count
   std::uint64_t memo_served_total_ = 0;
   std::uint64_t memo_entries_ = 0;
   std::uint64_t memo_exits_ = 0;
