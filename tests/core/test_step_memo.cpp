@@ -164,6 +164,13 @@ void run_steps(Twins& t, const std::vector<StepOp>& step, int steps) {
   }
 }
 
+/// Eight steps of `step`, after which the memo serves it (defrag has settled and one period
+/// was tracked and matched).
+void serve(Twins& t, const std::vector<StepOp>& step) {
+  run_steps(t, step, 8);
+  REQUIRE(t.memo("entries") == 1);
+}
+
 }  // namespace
 
 TEST_CASE("step memo: a repeating step is served from the memo, with the addresses and "
@@ -198,8 +205,7 @@ TEST_CASE("step memo: a call the period does not have, anywhere in the period, l
   for (int trial = 0; trial < 12; ++trial) {
     INFO("trial " << trial);
     Twins t;
-    run_steps(t, step, 8);
-    REQUIRE(t.memo("entries") == 1);
+    serve(t, step);
     // Part of a period, then a different size where the step had another.
     const std::size_t cut = rng() % step.size();
     for (std::size_t i = 0; i < cut; ++i) {
@@ -232,8 +238,7 @@ TEST_CASE("step memo: queries and misuse in the middle of a period", "[core][mem
   std::mt19937_64 rng(7);
   const std::vector<StepOp> step = make_step(rng, 40, 1000);
   Twins t;
-  run_steps(t, step, 8);
-  REQUIRE(t.memo("entries") == 1);
+  serve(t, step);
   const std::size_t half = step.size() / 2;
   for (std::size_t i = 0; i < half; ++i) {
     t.run(step[i]);
@@ -282,8 +287,7 @@ TEST_CASE("step memo: a double free of a block the memo freed is refused", "[cor
   std::mt19937_64 rng(5);
   const std::vector<StepOp> step = make_step(rng, 20, 1000);
   Twins t;
-  run_steps(t, step, 8);
-  REQUIRE(t.memo("entries") == 1);
+  serve(t, step);
   // Run up to and including the step's first free, then free that block again.
   std::size_t i = 0;
   void* freed = nullptr;
