@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
 #ifdef CACHEALLOC_SMOKE_WITH_TORCH
 #include <c10/util/Exception.h>
 #endif
@@ -152,7 +154,10 @@ int main() {
   SMOKE_CHECK(cachealloc_check_invariants(-1) == 0);
 
   // Snapshots.
-  const auto path = std::filesystem::temp_directory_path() / "cachealloc_plugin_smoke.pickle";
+  // Per process: plugin.capi_smoke and plugin.torch_smoke run this same code side by side under
+  // ctest -j, and one removed the other's file before its existence check.
+  const auto path = std::filesystem::temp_directory_path() /
+                    ("cachealloc_plugin_smoke_" + std::to_string(::getpid()) + ".pickle");
   void* e = cachealloc_alloc(kMiB, 0, nullptr);
   SMOKE_CHECK(cachealloc_dump_snapshot(path.c_str()) == 0);
   SMOKE_CHECK(std::filesystem::exists(path) && std::filesystem::file_size(path) > 0);
