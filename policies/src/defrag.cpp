@@ -775,7 +775,8 @@ std::vector<std::pair<std::string, std::int64_t>> DefragPolicy::stat_counters() 
           {"defrag.unmap_batches", v(c.unmap_batches)},   {"defrag.grow_allocations", v(c.grow_allocations)},
           {"defrag.stream_waits", v(c.stream_waits)},     {"defrag.wait_ns", v(c.wait_ns)},
           {"defrag.move_ns", v(c.move_ns)},               {"defrag.slack_raises", v(c.slack_raises)},
-          {"defrag.budget_raises", v(c.budget_raises)},   {"defrag.recent_hits", v(c.recent_hits)},
+          {"defrag.budget_raises", v(c.budget_raises)},   {"defrag.return_raises", v(c.return_raises)},
+          {"defrag.recent_hits", v(c.recent_hits)},
           {"defrag.slack_ppm", static_cast<std::int64_t>(c.slack * 1e6 + 0.5)}};
 }
 const DefragSettings& DefragPolicy::settings() const noexcept { return engine_->settings(); }

@@ -283,8 +283,9 @@ class alignas(64) DefragEngine {
   /// New pages the slack allows for a request of `size` bytes.
   [[nodiscard]] std::size_t pages_within_slack(std::size_t size) const noexcept;
   /// Moves whole chunks of safe free holes into scratch_ until `want` pages, taking none that
-  /// would bring the pages gathered beyond `room`.
-  std::size_t steal(std::size_t want, std::size_t room, const Node* hole);
+  /// would bring the pages gathered beyond `room`, and none from the other kind's ranges unless
+  /// `other_kinds`.
+  std::size_t steal(std::size_t want, std::size_t room, const Node* hole, bool other_kinds);
   /// The oldest epoch after whose completion on stream class `cls` `count` more whole free
   /// pages of that stream (outside the hole's neighbours) could move; 0 when none could.
   [[nodiscard]] std::uint64_t epoch_for_pages(std::size_t count, const Node* hole,
@@ -350,6 +351,13 @@ class alignas(64) DefragEngine {
   std::vector<Chunk> scratch_;
   std::vector<MapPiece> pieces_;  // scratch_ as map_run wants it (kept to reuse its storage)
   std::size_t max_chunk_pages_ = 1;
+  /// Note [Pages that come back] (defrag_grow.cpp): the kind whose range gave pages in the last
+  /// move between kinds (none yet: a value no kind has), whether that growth was below the peak
+  /// of live bytes, and whether the growth under way is.
+  std::uint32_t lender_ = ~std::uint32_t{0};
+  bool lent_below_peak_ = false;
+  bool growing_below_peak_ = false;
+  double returned_slack_ = 0.0;  // the slack those raises added (at most grow_slack)
   std::size_t held_chunks_ = 0;
   std::uint64_t unsafe_unmaps_ = 0;
   DefragCounters counters_;

@@ -137,6 +137,7 @@ struct DefragCounters {
   std::uint64_t address_ranges = 0;    ///< virtual address ranges reserved
   std::uint64_t slack_raises = 0;      ///< times the slack rose (Note [Slack that adapts to moves])
   std::uint64_t budget_raises = 0;     ///< of which on time (Note [A time budget for moves])
+  std::uint64_t return_raises = 0;     ///< of which for pages coming back (Note [Pages that come back])
   std::uint64_t move_ns = 0;           ///< time spent in growths that moved pages or waited
   std::uint64_t wait_ns = 0;           ///< of which waiting for streams (synchronize_event)
   double slack = 0.0;                  ///< the grow slack in force now
@@ -190,7 +191,7 @@ class DefragPolicy {
   [[nodiscard]] DefragCounters counters() const noexcept;
   /// counters() as "defrag.<name>" for the front end's stats (memory_stats() in PyTorch):
   /// pages_created, chunks_created, pages_moved, chunks_moved, unmap_batches,
-  /// grow_allocations, stream_waits, wait_ns, move_ns, slack_raises, budget_raises,
+  /// grow_allocations, stream_waits, wait_ns, move_ns, slack_raises, budget_raises, return_raises,
   /// recent_hits, slack_ppm (the slack in force, in millionths).
   [[nodiscard]] std::vector<std::pair<std::string, std::int64_t>> stat_counters() const;
   [[nodiscard]] const DefragSettings& settings() const noexcept;
