@@ -81,9 +81,10 @@
 // that range got them from this one in the last move between kinds, itself below the peak: it
 // creates what it lacks and the slack rises by that much (a return raise). The pages stay where
 // both kinds need them once per step. A move at a new peak is not counted as lending: moving
-// pages there keeps the peak low, and counting it (every range that took back pages after a
-// peak created them instead) raised the GPT-2 trace of ../shared/traces, whose shapes change
-// at every step, from 1.010 to 1.023 of its live peak (replayed), through 43 raises. Return
+// pages there keeps the peak low, and counting it (so that pages lent at a peak were never taken
+// back either) raised the GPT-2 trace of ../shared/traces, whose shapes change at every step and
+// which reaches new peaks often, from 1.010 to 1.023 of its live peak (replayed), through 43
+// raises (bench/results/defrag_time_experiments_2026-12-03_session12.md has the variants). Return
 // raises add up to at most grow_slack, so this costs at most as much memory again as the slack
 // itself; beyond that the pages move and the time budget decides. Replayed (peak reserved /
 // peak requested): e2e resnet50 1.014 -> 1.014 (one raise of 6 pages; its calls repeat one step
