@@ -79,6 +79,9 @@ std::map<std::string, std::int64_t> Stats::to_map() const {
   m["num_device_alloc"] = static_cast<std::int64_t>(num_device_alloc);
   m["num_device_free"] = static_cast<std::int64_t>(num_device_free);
   m["num_sync_all_streams"] = static_cast<std::int64_t>(num_sync_all_streams);
+  m["num_event_records"] = static_cast<std::int64_t>(num_event_records);
+  m["num_event_queries"] = static_cast<std::int64_t>(num_event_queries);
+  m["event_ns"] = static_cast<std::int64_t>(event_ns);
   m["num_maps"] = static_cast<std::int64_t>(num_maps);
   m["num_unmaps"] = static_cast<std::int64_t>(num_unmaps);
   m["bytes_mapped"] = static_cast<std::int64_t>(bytes_mapped);

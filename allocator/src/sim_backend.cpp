@@ -327,6 +327,7 @@ EventId SimBackend::record_event(StreamId stream) {
 
 bool SimBackend::query_event(EventId event) {
   maybe_throw(SimCall::query_event);
+  ++mutable_counters().event_queries;
   auto it = events_.find(event);
   if (it == events_.end()) {
     throw DeviceError("simulated device: query of an unknown event " + std::to_string(event));

@@ -84,7 +84,9 @@ What is measured, the same way for every configuration, in the run's process:
                        otherwise, where they exist): allocator_ns, alloc_calls,
                        num_device_alloc/free, num_maps/unmaps, bytes_mapped, pool.calls
                        (cudaMallocFromPoolAsync/cudaFreeAsync of policy async),
-                       num_sync_all_streams, num_alloc_retries; under +timed also the timing
+                       num_sync_all_streams, num_event_records/queries and event_ns (the
+                       events cachealloc records and queries, and the time inside those calls),
+                       num_alloc_retries; under +timed also the timing
                        wrapper's timed.allocator_ns, timed.alloc_ns/free_ns,
                        timed.alloc_calls/free_calls (cachealloc.native_allocator_stats()).
   allocator time/step  allocator_ns_per_step: cachealloc:<p> and cachealloc-full:<p>: time
@@ -159,6 +161,7 @@ BUILTIN_CONFIGS = {
 FALLBACK_POLICIES = ("native", "size_class", "defrag", "async")
 COUNTER_KEYS = ("allocator_ns", "alloc_calls", "free_calls", "num_device_alloc", "num_device_free", "num_maps",
                 "num_unmaps", "bytes_mapped", "bytes_unmapped", "pool.calls", "pool.ns", "num_sync_all_streams",
+                "num_event_records", "num_event_queries", "event_ns",
                 "num_alloc_retries", "num_ooms",
                 # policy defrag's own counters (DefragPolicy::stat_counters())
                 "defrag.pages_moved", "defrag.chunks_moved", "defrag.stream_waits", "defrag.wait_ns",
@@ -1105,6 +1108,17 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any], meta: dict[str, 
                 f"{r['counters_delta_per_step'].get('pool.calls', 0):,.1f} stream-ordered pool calls "
                 "(cudaMallocFromPoolAsync + cudaFreeAsync, timed by the policy), the rest in cachealloc's own code"
                 for cfg, r in pool_rows]
+        event_rows = [(cfg, r) for cfg, r in rows.items() if "event_ns" in r.get("counters_delta_per_step", {})
+                      and r["counters_delta_per_step"].get("num_event_records", 0)
+                      + r["counters_delta_per_step"].get("num_event_queries", 0) > 0]
+        if event_rows:
+            # The events cachealloc records (cross-stream frees, policy epochs) and queries, timed
+            # by the backend (BackendCounters::event_ns).
+            lines += [""] + [
+                f"- inside {cfg}'s allocator time: {d['event_ns'] / 1e3:,.1f} µs/step in "
+                f"{d.get('num_event_records', 0):,.1f} event records and {d.get('num_event_queries', 0):,.1f} "
+                "event queries"
+                for cfg, r in event_rows for d in [r["counters_delta_per_step"]]]
         defrag_rows = [(cfg, r) for cfg, r in rows.items()
                        if "defrag.move_ns" in r.get("counters_delta_per_step", {})]
         if defrag_rows:

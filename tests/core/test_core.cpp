@@ -330,11 +330,20 @@ TEST_CASE("front end: one event query per busy stream when polling parked frees"
     a.deallocate(p);
   }
   REQUIRE(a.pending_frees() == 3);
+  // The statistics count what reaches the device: one event per stream a freed block was used
+  // on (stream 2 twice on the first two blocks is one stream); the second and third allocations
+  // above each queried stream 2's first event.
+  CHECK(a.stats().num_event_records == 4);
+  CHECK(a.stats().num_event_queries == 2);
   const std::uint64_t before = sim->device_calls();
   void* q = a.allocate(4096, 1);
   // Stream 2's first event is incomplete: its later ones are not queried, stream 3's is.
   CHECK(sim->device_calls() - before == 2);
   CHECK(a.pending_frees() == 3);
+  const auto m = a.stats().to_map();
+  CHECK(m.at("num_event_records") == 4);
+  CHECK(m.at("num_event_queries") == 4);
+  CHECK(m.at("event_ns") == 0);  // the simulated device charges events no time
   sim->release_stream(2);
   sim->release_stream(3);
   a.deallocate(q);

@@ -378,7 +378,9 @@ def memory_stats(device: DeviceLike = None) -> dict[str, int]:
     Under cachealloc: ``allocated_bytes.all.{current,peak,allocated,freed}``,
     ``reserved_bytes.all.*``, ``active_bytes.all.*``, ``requested_bytes.all.*``,
     ``allocation.all.*``, ``num_alloc_retries``, ``num_ooms``, ``num_device_alloc``,
-    ``num_device_free``, ``num_sync_all_streams``, ``allocator_ns`` (time inside the allocator's
+    ``num_device_free``, ``num_sync_all_streams``, ``num_event_records``, ``num_event_queries``
+    and ``event_ns`` (events recorded and queried, and the time inside those calls),
+    ``allocator_ns`` (time inside the allocator's
     alloc and free, with ``alloc_ns`` and ``free_ns``), ... Without cachealloc: PyTorch's own.
     """
     if not is_enabled() or _full:

@@ -375,6 +375,9 @@ class CachingAllocator final : public DeviceAllocator {
     s.num_unmaps = c.unmap_calls;
     s.bytes_mapped = c.mapped_bytes;
     s.bytes_unmapped = c.unmapped_bytes;
+    s.num_event_records = c.events_recorded;
+    s.num_event_queries = c.event_queries;
+    s.event_ns = c.event_ns;
     if constexpr (requires(const P& p) { p.stat_counters(); }) {
       s.policy_counters = policy_.stat_counters();
     }

@@ -56,6 +56,9 @@ struct Stats {
   std::uint64_t bytes_mapped = 0;       ///< bytes mapped, cumulative
   std::uint64_t bytes_unmapped = 0;     ///< bytes unmapped, cumulative
   std::uint64_t num_sync_all_streams = 0;  ///< event waits forced by the retry chain / empty_cache
+  std::uint64_t num_event_records = 0;  ///< events recorded (cross-stream frees, policy epochs)
+  std::uint64_t num_event_queries = 0;  ///< events queried
+  std::uint64_t event_ns = 0;           ///< time inside those records and queries (BackendCounters)
   std::uint64_t usage_errors = 0;       ///< rejected double frees / foreign pointers
   std::uint64_t alloc_ns = 0;           ///< time inside allocate() when timing is on
   std::uint64_t free_ns = 0;            ///< time inside deallocate() when timing is on
