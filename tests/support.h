@@ -5,6 +5,8 @@
 #include <cachealloc/policies/registry.h>
 #include <cachealloc/sim_backend.h>
 
+#include <catch2/catch.hpp>
+
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -21,6 +23,28 @@ inline std::vector<std::string> policy_names() {
     }
   }
   return names;
+}
+
+/// Every figure of two Stat agrees: current, peak and the cumulative increases and decreases.
+inline void check_same_stat(const char* what, const Stat& a, const Stat& b) {
+  INFO(what);
+  CHECK(a.current == b.current);
+  CHECK(a.peak == b.peak);
+  CHECK(a.allocated == b.allocated);
+  CHECK(a.freed == b.freed);
+}
+
+/// Every Stat of two Stats and their call counts agree (what two allocators that saw the same
+/// calls, or one allocator before and after a rejected call, must show).
+inline void check_same_stats(const Stats& a, const Stats& b) {
+  check_same_stat("allocated_bytes", a.allocated_bytes, b.allocated_bytes);
+  check_same_stat("requested_bytes", a.requested_bytes, b.requested_bytes);
+  check_same_stat("active_bytes", a.active_bytes, b.active_bytes);
+  check_same_stat("reserved_bytes", a.reserved_bytes, b.reserved_bytes);
+  check_same_stat("allocation", a.allocation, b.allocation);
+  check_same_stat("active", a.active, b.active);
+  CHECK(a.alloc_calls == b.alloc_calls);
+  CHECK(a.free_calls == b.free_calls);
 }
 
 struct SimAllocator {

@@ -2,6 +2,8 @@
 // once they repeated, are served from the recorded period. The memo must change nothing a
 // caller can see but the time: every test runs the same calls through a second allocator with
 // step_memo:False and compares addresses and statistics after every call.
+#include "../support.h"
+
 #include <cachealloc/allocator.h>
 #include <cachealloc/errors.h>
 #include <cachealloc/policies/defrag.h>
@@ -106,24 +108,7 @@ class Twins {
   }
   /// Statistics agree; read from the memo's allocator without making it catch up.
   void same_stats() const {
-    const Stats a = memo_->stats();
-    const Stats b = plain_->stats();
-    CHECK(a.allocated_bytes.current == b.allocated_bytes.current);
-    CHECK(a.allocated_bytes.peak == b.allocated_bytes.peak);
-    CHECK(a.allocated_bytes.allocated == b.allocated_bytes.allocated);
-    CHECK(a.allocated_bytes.freed == b.allocated_bytes.freed);
-    CHECK(a.requested_bytes.current == b.requested_bytes.current);
-    CHECK(a.requested_bytes.peak == b.requested_bytes.peak);
-    CHECK(a.requested_bytes.freed == b.requested_bytes.freed);
-    CHECK(a.allocation.current == b.allocation.current);
-    CHECK(a.allocation.allocated == b.allocation.allocated);
-    CHECK(a.active_bytes.current == b.active_bytes.current);
-    CHECK(a.active_bytes.freed == b.active_bytes.freed);
-    CHECK(a.active.freed == b.active.freed);
-    CHECK(a.reserved_bytes.current == b.reserved_bytes.current);
-    CHECK(a.reserved_bytes.peak == b.reserved_bytes.peak);
-    CHECK(a.alloc_calls == b.alloc_calls);
-    CHECK(a.free_calls == b.free_calls);
+    test::check_same_stats(memo_->stats(), plain_->stats());
   }
   void check() const {
     memo_->check_invariants();
