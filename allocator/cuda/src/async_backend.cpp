@@ -233,16 +233,8 @@ void CudaAsyncBackend::do_release(void* ptr, std::size_t /*bytes*/) noexcept {
   }
 }
 
-EventId CudaAsyncBackend::record_event(StreamId stream) {
-  const TimedEventCall timed(*this);
-  ++mutable_counters().events_recorded;
-  return events_.record(stream);
-}
-bool CudaAsyncBackend::query_event(EventId event) {
-  const TimedEventCall timed(*this);
-  ++mutable_counters().event_queries;
-  return events_.query(event);
-}
+EventId CudaAsyncBackend::record_event(StreamId stream) { return record_counted(events_, *this, stream); }
+bool CudaAsyncBackend::query_event(EventId event) { return query_counted(events_, *this, event); }
 void CudaAsyncBackend::synchronize_event(EventId event) { events_.synchronize(event); }
 void CudaAsyncBackend::destroy_event(EventId event) noexcept { events_.give_back(event); }
 

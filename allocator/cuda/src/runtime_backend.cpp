@@ -44,16 +44,8 @@ void CudaRuntimeBackend::do_release(void* ptr, std::size_t /*bytes*/) noexcept {
   }
 }
 
-EventId CudaRuntimeBackend::record_event(StreamId stream) {
-  const TimedEventCall timed(*this);
-  ++mutable_counters().events_recorded;
-  return events_.record(stream);
-}
-bool CudaRuntimeBackend::query_event(EventId event) {
-  const TimedEventCall timed(*this);
-  ++mutable_counters().event_queries;
-  return events_.query(event);
-}
+EventId CudaRuntimeBackend::record_event(StreamId stream) { return record_counted(events_, *this, stream); }
+bool CudaRuntimeBackend::query_event(EventId event) { return query_counted(events_, *this, event); }
 void CudaRuntimeBackend::synchronize_event(EventId event) { events_.synchronize(event); }
 void CudaRuntimeBackend::destroy_event(EventId event) noexcept { events_.give_back(event); }
 

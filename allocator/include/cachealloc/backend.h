@@ -172,23 +172,4 @@ class DeviceBackend {
   BackendCounters counters_;
 };
 
-/// Adds the time of one event call to BackendCounters::event_ns, and is how the CUDA backends
-/// time record_event() and query_event() (two clock reads, about 40 ns, against the microsecond
-/// or so of the driver call).
-class TimedEventCall {
- public:
-  explicit TimedEventCall(DeviceBackend& backend) noexcept
-      : backend_(backend), start_(backend.clock_ns()) {}
-  ~TimedEventCall() {
-    const std::uint64_t now = backend_.clock_ns();
-    backend_.mutable_counters().event_ns += now > start_ ? now - start_ : 0;
-  }
-  TimedEventCall(const TimedEventCall&) = delete;
-  TimedEventCall& operator=(const TimedEventCall&) = delete;
-
- private:
-  DeviceBackend& backend_;
-  std::uint64_t start_;
-};
-
 }  // namespace cachealloc

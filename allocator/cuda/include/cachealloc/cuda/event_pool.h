@@ -49,6 +49,8 @@
 
 namespace cachealloc {
 
+class DeviceBackend;
+
 /// Pool of cudaEventDisableTiming events on one device. Not thread-safe (the backend's caller
 /// serialises calls, see backend.h).
 class CudaEventPool {
@@ -117,5 +119,12 @@ class CudaEventPool {
   }
   [[nodiscard]] static std::uint64_t fence_sequence(EventId id) noexcept { return id & kSequenceMask; }
 };
+
+/// pool.record(stream), counted (BackendCounters::events_recorded) and timed (event_ns, on
+/// backend.clock_ns(): two clock reads, about 40 ns against the microsecond or so of the driver
+/// call) in `backend`'s counters: the CUDA backends' record_event().
+[[nodiscard]] EventId record_counted(CudaEventPool& pool, DeviceBackend& backend, StreamId stream);
+/// pool.query(event), counted (event_queries) and timed likewise: their query_event().
+[[nodiscard]] bool query_counted(CudaEventPool& pool, DeviceBackend& backend, EventId event);
 
 }  // namespace cachealloc
