@@ -31,6 +31,29 @@
 // holes first (best fit over all streams) made streams take turns growing: on mlp_two_streams
 // the side stream found its input buffer taken by the main stream every step (1.036 instead of
 // 1.012 peak reserved / peak requested).
+//
+// Note [Epochs on demand]
+// With several streams an epoch used to close every kEpochFrees frees, whatever the job did:
+// the two-stream pipeline of bench/e2e recorded 10 events and queried 11 per 9 ms step on the
+// H200 (2-3 us each inside a step, 45-70 us of its 140 us in the allocator when no page moved).
+// They are worth it only to a job that misses: the next growth finds the pages freed before the
+// last close known safe. A job whose steps find every block in a mapped hole asks nothing. So
+// the periodic close happens only when the policy missed since the last one (a miss itself
+// still polls and closes, as before): a job that settles stops recording events, and the first
+// miss after a quiet stretch makes the epochs close every kEpochFrees frees again, once more
+// after the last miss. Replayed (peak reserved / peak requested; events recorded, the simulated
+// GPU lagging the trace's host by 0 / 0.5 / 1 / 2 / 5 ms):
+//   e2e pipeline     every 8 frees  1.189 / 1.210 / 1.242 / 1.274 / 1.244   359-363 events
+//                    on demand      1.244 / 1.244 / 1.253 / 1.235 / 1.250    51-70 events
+//   mlp_two_streams  every 8 frees  1.010 / 1.060 / 1.060 / 1.060 / 1.040   333-341 events
+//                    on demand      1.012 / 1.012 / 1.012 / 1.012 / 1.041    11-36 events
+// (expandable segments: 1.244 on the pipeline at any lag). The pipeline, which ends at its
+// largest slack (0.25) either way, lands on one of a few outcomes that a small change moves it
+// between; the shared trace gains at any realistic lag: with epochs every 8 frees, the side
+// stream's holes became safe only after the main stream had grown around them. On the H200
+// (bench/results/e2e_h200_2026-12-03_session12f_lazy_epochs.md, 5 runs) the pipeline's quiet
+// steps took 83-94 us instead of 113-170, 3.1 + 3.1 events per step instead of 10 + 11, at
+// the same peak within the runs' spread. One-stream jobs never closed epochs periodically.
 #include <cachealloc/errors.h>
 
 #include "defrag_engine.h"
@@ -472,10 +495,11 @@ Block DefragEngine::allocate(std::size_t bytes, StreamId stream) {
   const std::uint32_t kind =
       size <= small_limit_ ? kSmall : kLarge;  // small_limit_ 0: none are small
   const std::uint32_t cls = class_of(stream);
-  if ((streams_.size() > 1 && frees_in_epoch_ >= kEpochFrees) ||
+  if ((streams_.size() > 1 && frees_in_epoch_ >= kEpochFrees && missed_since_close_) ||
       deferred_.size() > kDeferredLimit) {
-    // Note [Physical pages and the streams that used them]: closing epochs as frees accumulate
-    // (not only at misses) lets the next miss find most free pages known safe without waiting.
+    // Note [Epochs on demand]: closing epochs as frees accumulate (not only at misses) lets the
+    // next miss find most free pages known safe without waiting, while the job misses at all.
+    missed_since_close_ = false;
     try {
       if (poll()) {
         process_deferred();
@@ -500,6 +524,7 @@ Block DefragEngine::allocate(std::size_t bytes, StreamId stream) {
   } else {
     // A miss: learn which epochs finished and close the open one, so that pages freed until now
     // can be moved (and other streams' holes reused) at the next miss without waiting.
+    missed_since_close_ = true;
     if (poll()) {
       process_deferred();
     }

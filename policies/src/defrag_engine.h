@@ -38,7 +38,8 @@ inline constexpr std::uint64_t kBudgetMaxWindowNs = 1'000'000'000;
 inline constexpr std::size_t kChunksPerGrowth = 16;
 /// ...of at least this many pages each (or the whole growth when it is smaller).
 inline constexpr std::size_t kMinChunkPages = 2;
-/// With several streams, frees after which the next allocation closes the epoch.
+/// With several streams, frees after which the next allocation closes the epoch, while the
+/// policy missed since the last such close (Note [Epochs on demand], defrag.cpp).
 inline constexpr std::uint32_t kEpochFrees = 8;
 
 /// What a range is (Note [Ranges tile the address space]); `dead` marks a recycled node.
@@ -318,6 +319,8 @@ class alignas(64) DefragEngine {
   StreamId last_stream_ = 0;
   std::uint32_t last_cls_ = 0;
   std::uint32_t frees_in_epoch_ = 0;
+  /// Note [Epochs on demand] (defrag.cpp): a miss since the last epoch closed every kEpochFrees.
+  bool missed_since_close_ = true;
   bool have_last_ = false;
   Node* age_head_ = nullptr;
   Node* age_tail_ = nullptr;

@@ -580,6 +580,48 @@ TEST_CASE("defrag: a repeating training loop maps nothing in steady state", "[de
   }
 }
 
+TEST_CASE("defrag: with two streams, epochs close while the policy misses and stop once it "
+          "settles", "[defrag][streams]") {
+  // Note [Epochs on demand] (defrag.cpp): a loop of two streams that finds every block in a
+  // mapped hole records no event; the first miss after that closes epochs again.
+  SimOptions o;
+  o.auto_complete_events = true;
+  auto backend = std::make_unique<SimBackend>(o);
+  SimBackend* sim = backend.get();
+  Config config;
+  CachingAllocator<DefragPolicy> a(std::move(backend), config);
+  const StreamId main_stream = 1;
+  const StreamId side = 2;
+  const auto step = [&](std::size_t batch_mib) {
+    void* input = a.allocate(batch_mib * MiB, side);  // the next batch, made on the side stream
+    std::vector<void*> acts;
+    for (int layer = 0; layer < 12; ++layer) {
+      acts.push_back(a.allocate((batch_mib + static_cast<std::size_t>(layer % 3)) * MiB, main_stream));
+    }
+    a.deallocate(input);
+    while (!acts.empty()) {
+      a.deallocate(acts.back());
+      acts.pop_back();
+    }
+  };
+  const auto events = [&] { return sim->counters().events_recorded; };
+  for (int i = 0; i < 4; ++i) {
+    step(8);
+  }
+  const std::uint64_t settled = events();
+  const std::uint64_t maps = a.stats().num_maps;
+  for (int i = 0; i < 20; ++i) {
+    step(8);
+  }
+  CHECK(a.stats().num_maps == maps);  // no miss: every block found a mapped hole...
+  CHECK(events() == settled);         // ...and no epoch closed
+  step(20);                           // larger batches miss
+  step(20);
+  CHECK(a.stats().num_maps > maps);
+  CHECK(events() >= settled + 2);     // the miss closed one, then every 8 frees closed one more
+  a.check_invariants();
+}
+
 // ============================================================================ streams
 
 TEST_CASE("defrag: pages a busy stream may still use are never unmapped or handed out",
@@ -904,7 +946,8 @@ TEST_CASE("defrag regression: a stream's free next to another stream's hole is d
     for (int i = 0; i < 8000; ++i) {
       a.deallocate(a.allocate(4096, 11));
     }
-    // One epoch (an event and its query) per kEpochFrees frees: 2000 calls, not 16000.
+    // At most one epoch (an event and its query) per kEpochFrees frees (none once the policy
+    // stops missing: Note [Epochs on demand]): at most 2000 calls, not 16000.
     CHECK(sim->device_calls() - before <= 2100);
     a.check_invariants();
   }

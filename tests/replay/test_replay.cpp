@@ -9,6 +9,7 @@
 #include <catch2/catch.hpp>
 
 #include <string>
+#include <string_view>
 
 using namespace cachealloc;
 
@@ -106,22 +107,38 @@ TEST_CASE("replay: the e2e recordings: native matches PyTorch's reservations, de
   // bench/e2e/recordings (session 10: each workload recorded in a fresh process, so the
   // libraries' first-use allocations are in them). The replayed form of issue 5's end-to-end
   // bar, a guard for changes judged on replays: on the H200 these runs peaked below
-  // expandable_segments too (gpt2, pipeline) or level with it (resnet50).
+  // expandable_segments too (gpt2, resnet50) or level with it by their spread (pipeline).
+  // Two models of the GPU: events complete as soon as they are recorded (gpu_lag_us 0, the
+  // optimistic extreme), and 2 ms after (the host queues a 10-20 ms step's kernels well ahead of
+  // the GPU). Defrag holds less than expandable segments in both, except the two-stream pipeline
+  // in the first: there both stop at the same 3,344 MiB (defrag at its largest slack, 0.25), and
+  // with events closed only on demand (Note [Epochs on demand], defrag.cpp) it is level there
+  // and below with a lag, where closing them every 8 frees had held 1.189 / 1.274 of the live
+  // peak against expandable's 1.244 (bench/results/defrag_time_experiments_2026-12-03_session13.md).
   for (const char* name : {"e2e_gpt2", "e2e_resnet50", "e2e_pipeline"}) {
     INFO(name);
     const auto snapshot =
         trace::read_snapshot(std::string(CACHEALLOC_E2E_RECORDINGS_DIR) + "/" + name + ".pickle.xz");
     const replay::PreparedTrace t = replay::prepare(snapshot, name);
     check_native_matches(t, t.recorded_peak_reserved);
-    replay::ReplayOptions plain;
-    plain.check_every = 997;
-    const replay::PolicyResult expandable = replay::run(t, "native", "expandable_segments:True", plain);
-    const replay::PolicyResult defrag = replay::run(t, "defrag", "", plain);
-    REQUIRE(defrag.error.empty());
-    INFO("defrag " << defrag.peak_reserved << ", expandable segments " << expandable.peak_reserved
-                   << ", requested " << t.peak_requested);
-    CHECK(defrag.failed_allocations == 0);
-    CHECK(defrag.peak_reserved < expandable.peak_reserved);
+    for (const std::uint64_t lag_us : {0, 2000}) {
+      INFO("GPU lag " << lag_us << " us");
+      replay::ReplayOptions plain;
+      plain.check_every = 997;
+      plain.gpu_lag_us = lag_us;
+      const replay::PolicyResult expandable =
+          replay::run(t, "native", "expandable_segments:True", plain);
+      const replay::PolicyResult defrag = replay::run(t, "defrag", "", plain);
+      REQUIRE(defrag.error.empty());
+      INFO("defrag " << defrag.peak_reserved << ", expandable segments " << expandable.peak_reserved
+                     << ", requested " << t.peak_requested);
+      CHECK(defrag.failed_allocations == 0);
+      if (lag_us == 0 && std::string_view(name) == "e2e_pipeline") {
+        CHECK(defrag.peak_reserved <= expandable.peak_reserved);
+      } else {
+        CHECK(defrag.peak_reserved < expandable.peak_reserved);
+      }
+    }
   }
 }
 #endif

@@ -79,8 +79,9 @@
 // *safe* once its owner stream's events up to epoch e completed: only the owner matters,
 // because every other stream's use finished before the free (policy.h, item 4), and holes of
 // different streams merge only when both are safe (or when a new block spans them). Epochs close at every allocation that has
-// to grow, and with several streams also every few frees (so that streams can reuse each
-// other's holes soon); completions are polled at the same points. The policy waits
+// to grow, and with several streams also every few frees while the policy keeps missing (so
+// that streams can reuse each other's holes soon; Note [Epochs on demand], defrag.cpp);
+// completions are polled at the same points. The policy waits
 // (synchronize_event) only for the stream it allocates for, as PyTorch's expandable segments
 // wait before unmapping; it never blocks on another stream's work, except in release_cached()
 // (empty_cache and the out-of-memory retry), which waits for every stream.
