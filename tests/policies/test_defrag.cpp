@@ -41,6 +41,17 @@ bool overlap(std::uintptr_t a, std::size_t an, std::uintptr_t b, std::size_t bn)
   return a < b + bn && b < a + an;
 }
 
+/// The front end with defrag's default settings on a simulated device whose events complete as
+/// soon as they are recorded.
+struct SimFrontEnd {
+  SimFrontEnd() : SimFrontEnd(std::make_unique<SimBackend>(SimOptions{.auto_complete_events = true})) {}
+  explicit SimFrontEnd(std::unique_ptr<SimBackend> backend)
+      : sim(backend.get()), allocator(std::move(backend), config) {}
+  Config config;
+  SimBackend* sim;
+  CachingAllocator<DefragPolicy> allocator;
+};
+
 /// A backend without virtual memory (cudaMalloc only).
 class RuntimeOnlyBackend final : public DeviceBackend {
  public:
@@ -584,12 +595,9 @@ TEST_CASE("defrag: with two streams, epochs close while the policy misses and st
           "settles", "[defrag][streams]") {
   // Note [Epochs on demand] (defrag.cpp): a loop of two streams that finds every block in a
   // mapped hole records no event; the first miss after that closes epochs again.
-  SimOptions o;
-  o.auto_complete_events = true;
-  auto backend = std::make_unique<SimBackend>(o);
-  SimBackend* sim = backend.get();
-  Config config;
-  CachingAllocator<DefragPolicy> a(std::move(backend), config);
+  SimFrontEnd f;
+  CachingAllocator<DefragPolicy>& a = f.allocator;
+  SimBackend* sim = f.sim;
   const StreamId main_stream = 1;
   const StreamId side = 2;
   const auto step = [&](std::size_t batch_mib) {
@@ -921,12 +929,9 @@ TEST_CASE("defrag regression: a stream's free next to another stream's hole is d
   // Each free of a block carved next to another stream's hole deferred the pair again, so the
   // list grew by one entry per free: past kDeferredLimit every allocation closed an epoch (an
   // event) and walked the whole list (45-60 us per pair in threads/ on the H200).
-  SimOptions o;
-  o.auto_complete_events = true;
-  auto backend = std::make_unique<SimBackend>(o);
-  SimBackend* sim = backend.get();
-  Config config;
-  CachingAllocator<DefragPolicy> a(std::move(backend), config);
+  SimFrontEnd f;
+  CachingAllocator<DefragPolicy>& a = f.allocator;
+  SimBackend* sim = f.sim;
   std::mt19937_64 rng(1);
   auto size = [&] { return std::size_t{512} << (rng() % 17); };
   std::vector<void*> live;
