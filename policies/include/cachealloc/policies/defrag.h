@@ -20,7 +20,7 @@
 // Requests up to small_size go to a second address range, so small long-lived tensors do not
 // pin the pages of large holes (Note [Which requests are small]). Only pages wholly inside a
 // free hole move, so peak reserved is about max((1 + grow_slack) x peak live bytes, peak live
-// bytes + the partly used pages at the edges of free holes): 1.010 / 1.008 / 1.010 of peak
+// bytes + the partly used pages at the edges of free holes): 1.010 / 1.008 / 1.012 of peak
 // requested on the shared traces (gpt2, resnet50, two-stream MLP).
 //
 // Settings (CACHEALLOC_CONF, e.g. "policy:defrag,grow_slack:0.005,va_reserve_gb:512"):
