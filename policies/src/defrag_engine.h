@@ -349,7 +349,10 @@ class alignas(64) DefragEngine {
   std::uint64_t budget_moves_ = 0;
   bool budget_open_ = false;
   void note_move_time(std::uint64_t now_ns, std::uint64_t spent_ns) noexcept;
+  /// The slack times `factor` (at least 0.005, at most max_grow_slack), counted as a raise.
   void raise_slack(double factor = 2.0) noexcept;
+  /// Sets the slack, counted as a raise (slack_raises, and the slack figure in counters_).
+  void raise_slack_to(double slack) noexcept;
 
   std::vector<Chunk> scratch_;
   std::vector<MapPiece> pieces_;  // scratch_ as map_run wants it (kept to reuse its storage)

@@ -231,10 +231,8 @@ bool DefragEngine::gather_pages(std::size_t count, std::size_t room, std::size_t
       const double kept = returned_slack_ + (raised - slack_);
       if (raised <= settings_.max_grow_slack && kept <= settings_.grow_slack) {
         returned_slack_ = kept;
-        slack_ = raised;
-        ++counters_.slack_raises;
+        raise_slack_to(raised);
         ++counters_.return_raises;
-        counters_.slack = slack_;
         create_pages(lacking);
       }
       if (scratch_pages() < count) {  // at the slack's limit, or the device is full: move after all
@@ -415,7 +413,11 @@ void DefragEngine::note_move() noexcept {
 }
 
 void DefragEngine::raise_slack(double factor) noexcept {
-  slack_ = std::min(std::max(factor * slack_, 0.005), settings_.max_grow_slack);
+  raise_slack_to(std::min(std::max(factor * slack_, 0.005), settings_.max_grow_slack));
+}
+
+void DefragEngine::raise_slack_to(double slack) noexcept {
+  slack_ = slack;
   ++counters_.slack_raises;
   counters_.slack = slack_;
 }
