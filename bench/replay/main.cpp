@@ -297,6 +297,17 @@ int main(int argc, char** argv) {
         std::printf("\n");
       }
     }
+    if (prepared.stream_peaks.size() > 1) {
+      // Note [What keeping streams apart costs] (replay.cpp).
+      std::printf("streams: %zu; each one's own peak of requested bytes:", prepared.stream_peaks.size());
+      for (const auto& [stream, bytes] : prepared.stream_peaks) {
+        std::printf(" %s (stream %#llx)", with_commas(bytes).c_str(),
+                    static_cast<unsigned long long>(stream));
+      }
+      std::printf("\n  their sum is %.3fx the peak requested: the least an allocator holds that keeps "
+                  "each stream's free memory for that stream\n",
+                  static_cast<double>(replay::stream_peaks_sum(prepared)) / req);
+    }
     if (prepared.unmatched_frees != 0) {
       std::printf("  note: %llu frees of blocks allocated before recording started were skipped\n",
                   static_cast<unsigned long long>(prepared.unmatched_frees));
@@ -309,6 +320,12 @@ int main(int argc, char** argv) {
       j["capacity_bytes"] = capacity;
       j["recorded"] = {{"peak_reserved_bytes", prepared.recorded_peak_reserved},
                        {"segments", prepared.segments.size()}};
+      j["peak_requested_bytes"] = prepared.peak_requested;
+      j["stream_peaks"] = nlohmann::json::array();
+      for (const auto& [stream, bytes] : prepared.stream_peaks) {
+        j["stream_peaks"].push_back({{"stream", stream}, {"peak_requested_bytes", bytes}});
+      }
+      j["stream_peaks_sum_bytes"] = replay::stream_peaks_sum(prepared);
       j["policies"] = nlohmann::json::array();
       for (const replay::PolicyResult& r : results) {
         nlohmann::json p;

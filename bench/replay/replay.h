@@ -21,6 +21,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace cachealloc::replay {
@@ -51,10 +52,18 @@ struct PreparedTrace {
   std::vector<SegmentEntry> segments;
   std::uint64_t recorded_peak_reserved = 0;
   std::uint64_t peak_requested = 0;
+  /// Each stream's own peak of requested bytes (the blocks it allocated, alive from alloc to
+  /// free_requested), in order of the stream's first allocation. Their sum over the peak
+  /// requested bytes is the least an allocator that never hands one stream's free memory to
+  /// another (without waiting) can hold (Note [What keeping streams apart costs]).
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> stream_peaks;  // (stream, bytes)
   std::uint64_t unmatched_frees = 0;   ///< frees of blocks allocated before recording started
   trace::AllocatorSettings settings;
   int device = 0;
 };
+
+/// The sum of `trace.stream_peaks` (equal to peak_requested with one stream).
+std::uint64_t stream_peaks_sum(const PreparedTrace& trace);
 
 /// Builds the operations for one device of `snapshot` (the device with the most entries when
 /// `device` is unset). Throws trace::TraceError on inconsistent traces.

@@ -210,3 +210,55 @@ TEST_CASE("replay: defrag reports its counters, and a lagging GPU makes its wait
   CHECK(static_cast<double>(lagging.peak_reserved) / static_cast<double>(t.peak_requested) <= 1.02);
 }
 #endif
+
+TEST_CASE("replay: each stream's own peak of requested bytes, and their sum", "[replay]") {
+  // Stream 1 peaks at 100 bytes, stream 2 at 130 bytes, never together: the peak of the sum is
+  // 150 (both streams' first blocks), the sum of the peaks 230.
+  trace::Snapshot s;
+  s.device_count = 1;
+  using trace::Action;
+  const auto ev = [](Action a, std::uint64_t addr, std::uint64_t size, std::uint64_t stream) {
+    trace::TraceEvent e;
+    e.action = a;
+    e.addr = addr;
+    e.size = size;
+    e.stream = stream;
+    return e;
+  };
+  s.events = {
+      ev(Action::alloc, 0x1000, 100, 1),
+      ev(Action::alloc, 0x2000, 50, 2),
+      ev(Action::free_requested, 0x1000, 100, 1),
+      ev(Action::free_completed, 0x1000, 100, 1),
+      ev(Action::alloc, 0x3000, 80, 2),
+      ev(Action::alloc, 0x4000, 10, 1),
+      ev(Action::free_requested, 0x2000, 50, 2),  // deferred: requested bytes end here
+      ev(Action::alloc, 0x5000, 60, 1),
+      ev(Action::free_completed, 0x2000, 50, 2),
+  };
+  const replay::PreparedTrace t = replay::prepare(s, "two streams");
+  CHECK(t.peak_requested == 150);
+  REQUIRE(t.stream_peaks.size() == 2);
+  CHECK(t.stream_peaks[0] == std::pair<std::uint64_t, std::uint64_t>{1, 100});
+  CHECK(t.stream_peaks[1] == std::pair<std::uint64_t, std::uint64_t>{2, 130});
+  CHECK(replay::stream_peaks_sum(t) == 230);
+
+  // The bundled traces: a one-stream trace's only stream peaks at the trace's peak; with two
+  // streams each peaks at most there and together at least there (mlp_two_streams: 1.012x).
+  for (const Expected& e : kTraces) {
+    INFO(e.file);
+    const replay::PreparedTrace& p = prepared(e.file);
+    REQUIRE_FALSE(p.stream_peaks.empty());
+    for (const auto& [stream, bytes] : p.stream_peaks) {
+      CHECK(bytes <= p.peak_requested);
+    }
+    if (p.stream_peaks.size() == 1) {
+      CHECK(replay::stream_peaks_sum(p) == p.peak_requested);
+    } else {
+      CHECK(replay::stream_peaks_sum(p) >= p.peak_requested);
+    }
+  }
+  const replay::PreparedTrace& mlp = prepared("mlp_two_streams.pickle.xz");
+  REQUIRE(mlp.stream_peaks.size() == 2);
+  CHECK(replay::stream_peaks_sum(mlp) == 2'820'276'228ull);
+}
