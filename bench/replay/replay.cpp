@@ -156,7 +156,8 @@ PreparedTrace prepare(const trace::Snapshot& snapshot, std::string name, std::op
 // a stream's free memory for that stream until an event says the other streams may have it, so
 // at any moment each stream holds at least its own live bytes, and over a run at least its own
 // peak: the sum of the streams' peaks, not the peak of their sum, bounds what they hold unless
-// they hand memory across streams (which needs events that have completed, or moved pages).
+// they hand memory across streams (which needs events that have completed, or moved pages) or
+// give cached memory back to the device (PyTorch does at an out-of-memory retry).
 // The replay prints that sum as a floor next to the table. Measured (peak requested = 1):
 // mlp_two_streams 1.012, the e2e pipeline recording 1.072 (bench/e2e/recordings); every
 // one-stream trace 1.
