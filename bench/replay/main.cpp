@@ -45,7 +45,10 @@ int main(int argc, char** argv) {
       "cachealloc-replay: replays a PyTorch memory snapshot (torch.cuda.memory._dump_snapshot, "
       "plain or .xz) on a simulated device (or, with --device cuda, on the real GPU) for each allocator policy and prints peak reserved "
       "memory, fragmentation and speed side by side, with the reservations PyTorch's own "
-      "allocator made in the recorded run as the first row."};
+      "allocator made in the recorded run as the first row; on the simulated device, for a trace with "
+      "several streams, "
+      "also each stream's own peak of requested bytes and their sum, the least an allocator "
+      "holds that keeps each stream's free memory for that stream."};
   std::string trace_path;
   std::vector<std::string> policies;
   std::vector<std::string> confs;
