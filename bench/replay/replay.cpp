@@ -152,12 +152,14 @@ PreparedTrace prepare(const trace::Snapshot& snapshot, std::string name, std::op
 }
 
 // Note [What keeping streams apart costs]
-// PyTorch's caching allocator, expandable segments and cudaMallocAsync's per-stream reuse all keep
-// a stream's free memory for that stream until an event says the other streams may have it, so
-// at any moment each stream holds at least its own live bytes, and over a run at least its own
-// peak: the sum of the streams' peaks, not the peak of their sum, bounds what they hold unless
-// they hand memory across streams (which needs events that have completed, or moved pages) or
-// give cached memory back to the device (PyTorch does at an out-of-memory retry).
+// PyTorch's caching allocator, with or without expandable segments, keeps a stream's free memory
+// for that stream (a block comes back to the stream that allocated it, and only once every other
+// stream that used it finished), so at any moment each stream holds at least its own live bytes,
+// and over a run at least its own peak: the sum of the streams' peaks, not the peak of their
+// sum, bounds what it holds unless it gives cached memory back to the device (at an
+// out-of-memory retry). An allocator goes below it only by handing free memory across streams:
+// after events show the other stream finished, by moving pages (defrag), or by making one stream
+// wait for the other on the GPU (cudaMallocAsync's pools with internal dependencies allowed).
 // The replay prints that sum as a floor next to the table. Measured (peak requested = 1):
 // mlp_two_streams 1.012, the e2e pipeline recording 1.072 (bench/e2e/recordings); every
 // one-stream trace 1.
