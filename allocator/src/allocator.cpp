@@ -82,6 +82,12 @@ std::map<std::string, std::int64_t> Stats::to_map() const {
   m["num_event_records"] = static_cast<std::int64_t>(num_event_records);
   m["num_event_queries"] = static_cast<std::int64_t>(num_event_queries);
   m["event_ns"] = static_cast<std::int64_t>(event_ns);
+  m["reserve_ns"] = static_cast<std::int64_t>(reserve_ns);
+  m["release_ns"] = static_cast<std::int64_t>(release_ns);
+  m["create_ns"] = static_cast<std::int64_t>(create_ns);
+  m["release_physical_ns"] = static_cast<std::int64_t>(release_physical_ns);
+  m["map_ns"] = static_cast<std::int64_t>(map_ns);
+  m["unmap_ns"] = static_cast<std::int64_t>(unmap_ns);
   m["num_maps"] = static_cast<std::int64_t>(num_maps);
   m["num_unmaps"] = static_cast<std::int64_t>(num_unmaps);
   m["bytes_mapped"] = static_cast<std::int64_t>(bytes_mapped);

@@ -162,6 +162,8 @@ FALLBACK_POLICIES = ("native", "size_class", "defrag", "async")
 COUNTER_KEYS = ("allocator_ns", "alloc_calls", "free_calls", "num_device_alloc", "num_device_free", "num_maps",
                 "num_unmaps", "bytes_mapped", "bytes_unmapped", "pool.calls", "pool.ns", "num_sync_all_streams",
                 "num_event_records", "num_event_queries", "event_ns",
+                # time inside each kind of device memory call (Note [Time in device calls], backend.cpp)
+                "reserve_ns", "release_ns", "create_ns", "release_physical_ns", "map_ns", "unmap_ns",
                 "num_alloc_retries", "num_ooms",
                 # policy defrag's own counters (DefragPolicy::stat_counters())
                 "defrag.pages_moved", "defrag.chunks_moved", "defrag.stream_waits", "defrag.wait_ns",
@@ -989,6 +991,32 @@ def summarize(results: list[dict[str, Any]], workloads: list[str], configs: list
     return summary
 
 
+# (time counter, call counter, what the CUDA backends call) per kind of device memory call.
+DEVICE_CALL_KINDS = (("reserve_ns", "num_device_alloc", "cudaMalloc"), ("release_ns", "num_device_free", "cudaFree"),
+                     ("create_ns", "num_device_alloc", "cuMemCreate"),
+                     ("release_physical_ns", "num_device_free", "cuMemRelease"),
+                     ("map_ns", "num_maps", "cuMemMap + cuMemSetAccess (per handle)"),
+                     ("unmap_ns", "num_unmaps", "cuMemUnmap"))
+
+
+def device_call_line(cfg: str, d: dict[str, float]) -> str | None:
+    """Where a configuration's device memory calls spent its time, per kind (None: no such calls)."""
+    parts = []
+    total = 0.0
+    for ns_key, count_key, label in DEVICE_CALL_KINDS:
+        ns = d.get(ns_key, 0.0)
+        if ns <= 0:
+            continue
+        total += ns
+        count = d.get(count_key, 0.0)
+        each = f", {ns / count / 1e3:,.0f} µs each" if count > 0 else ""
+        parts.append(f"{label} {ns / 1e3:,.1f} µs/step ({count:,.2f} calls/step{each})")
+    if not parts:
+        return None
+    return (f"- inside {cfg}'s allocator time: {total / 1e3:,.1f} µs/step in device memory calls: "
+            + "; ".join(parts))
+
+
 def verdicts(rows: dict[str, Any]) -> list[str]:
     """The per-workload questions, answered from the numbers (never hard-coded)."""
     out = []
@@ -1119,6 +1147,10 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any], meta: dict[str, 
                 f"{d.get('num_event_records', 0):,.1f} event records and {d.get('num_event_queries', 0):,.1f} "
                 "event queries"
                 for cfg, r in event_rows for d in [r["counters_delta_per_step"]]]
+        call_lines = [line for cfg, r in rows.items()
+                      if (line := device_call_line(cfg, r.get("counters_delta_per_step", {})))]
+        if call_lines:
+            lines += [""] + call_lines
         defrag_rows = [(cfg, r) for cfg, r in rows.items()
                        if "defrag.move_ns" in r.get("counters_delta_per_step", {})]
         if defrag_rows:

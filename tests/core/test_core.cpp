@@ -454,3 +454,42 @@ TEST_CASE("sim: with a GPU lag, events complete late and a wait costs host time"
     sim.destroy_event(e);
   }
 }
+
+TEST_CASE("front end: the time inside each kind of device call, in the stats", "[core]") {
+  // The simulated device charges an H200's median cost per call (Note [Simulated time]), so the
+  // times the backend measured (Note [Time in device calls]) are exactly those costs.
+  SimOptions opts;
+  opts.model_call_costs = true;
+  {
+    auto [sim, a] = test::make_sim_allocator("defrag", opts);
+    void* p = a->allocate(64 * kMiB, 0);
+    a->deallocate(p);
+    a->empty_cache();  // unmaps and releases every page
+    const Stats s = a->stats();
+    const auto m = s.to_map();
+    const BackendCounters& c = sim->counters();
+    REQUIRE(c.physical_creates > 0);
+    REQUIRE(c.physical_releases > 0);
+    CHECK(m.at("create_ns") == static_cast<std::int64_t>(13'600 * c.physical_creates));
+    CHECK(m.at("release_physical_ns") == static_cast<std::int64_t>(13'600 * c.physical_releases));
+    CHECK(m.at("map_ns") == static_cast<std::int64_t>(55'000 * c.map_calls));
+    // 27 us per mapping removed: at least one per unmap call.
+    CHECK(m.at("unmap_ns") >= static_cast<std::int64_t>(27'000 * c.unmap_calls));
+    CHECK(m.at("unmap_ns") % 27'000 == 0);
+    CHECK(m.at("reserve_ns") == 0);
+    CHECK(m.at("release_ns") == 0);
+  }
+  {
+    auto [sim, a] = test::make_sim_allocator("size_class", opts);
+    void* p = a->allocate(64 * kMiB, 0);
+    a->deallocate(p);
+    a->empty_cache();
+    const auto m = a->stats().to_map();
+    const BackendCounters& c = sim->counters();
+    REQUIRE(c.reserve_calls > 0);
+    REQUIRE(c.release_calls > 0);
+    CHECK(m.at("reserve_ns") == static_cast<std::int64_t>(90'000 * c.reserve_calls));
+    CHECK(m.at("release_ns") == static_cast<std::int64_t>(90'000 * c.release_calls));
+    CHECK(m.at("map_ns") == 0);
+  }
+}

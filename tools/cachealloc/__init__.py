@@ -380,6 +380,8 @@ def memory_stats(device: DeviceLike = None) -> dict[str, int]:
     ``allocation.all.*``, ``num_alloc_retries``, ``num_ooms``, ``num_device_alloc``,
     ``num_device_free``, ``num_sync_all_streams``, ``num_event_records``, ``num_event_queries``
     and ``event_ns`` (events recorded and queried, and the time inside those calls),
+    ``reserve_ns``, ``release_ns``, ``create_ns``, ``release_physical_ns``, ``map_ns`` and
+    ``unmap_ns`` (the time inside each kind of device memory call),
     ``allocator_ns`` (time inside the allocator's
     alloc and free, with ``alloc_ns`` and ``free_ns``), ... Without cachealloc: PyTorch's own.
     """

@@ -408,7 +408,8 @@ def test_e2e_report_shows_how_allocator_time_spreads_over_steps(tmp_path):
            "defrag_move_ns_steps": [0, 0, 1_000_000, 0],
            "counters_delta": {"allocator_ns": 1_600_000, "alloc_calls": 200, "free_calls": 200, "num_maps": 4,
                               "defrag.move_ns": 1_000_000, "defrag.wait_ns": 900_000, "defrag.stream_waits": 1,
-                              "defrag.pages_moved": 8, "defrag.chunks_moved": 4}}
+                              "defrag.pages_moved": 8, "defrag.chunks_moved": 4,
+                              "map_ns": 400_000, "create_ns": 120_000, "num_device_alloc": 2}}
     meta = {"date": "2026-12-03T00:00:00", "host": "test", "command": "run_e2e.py", "driver": "-", "rounds_done": 1,
             "steps": {"pipeline": [1, 4]}, "fork": {}, "gpu": "-", "torch": "-", "cuda": "-", "sampler": "nvml",
             "elapsed_s": 1.0, "cachealloc_library": "-", "estimate": "-"}
@@ -427,6 +428,9 @@ def test_e2e_report_shows_how_allocator_time_spreads_over_steps(tmp_path):
     assert "the heaviest step held 80% of a run's allocator time" in md, md
     assert "heaviest step of each run (µs in the allocator / device calls / µs waiting for streams): 1,280 / 4 / 900" in md, md
     assert "250.0 µs/step in growths that moved pages or waited for a stream (225.0 µs/step waiting" in md, md
+    # Note [Time in device calls]: the time inside each kind of device call, per step and per call.
+    assert ("130.0 µs/step in device memory calls: cuMemCreate 30.0 µs/step (0.50 calls/step, 60 µs each); "
+            "cuMemMap + cuMemSetAccess (per handle) 100.0 µs/step (1.00 calls/step, 100 µs each)") in md, md
 
 
 if __name__ == "__main__":

@@ -378,6 +378,12 @@ class CachingAllocator final : public DeviceAllocator {
     s.num_event_records = c.events_recorded;
     s.num_event_queries = c.event_queries;
     s.event_ns = c.event_ns;
+    s.reserve_ns = c.reserve_ns;
+    s.release_ns = c.release_ns;
+    s.create_ns = c.create_ns;
+    s.release_physical_ns = c.release_physical_ns;
+    s.map_ns = c.map_ns;
+    s.unmap_ns = c.unmap_ns;
     if constexpr (requires(const P& p) { p.stat_counters(); }) {
       s.policy_counters = policy_.stat_counters();
     }

@@ -46,6 +46,14 @@ struct BackendCounters {
   /// Time inside record_event() and query_event() on clock_ns() (the CUDA backends: the host's
   /// steady clock; the simulated device charges events nothing, Note [Simulated time]).
   std::uint64_t event_ns = 0;
+  /// Time inside each kind of memory call on clock_ns() (Note [Time in device calls]): the CUDA
+  /// backends measure the host's steady clock, the simulated device charges its modelled costs.
+  std::uint64_t reserve_ns = 0;           ///< reserve() (cudaMalloc)
+  std::uint64_t release_ns = 0;           ///< release() (cudaFree)
+  std::uint64_t create_ns = 0;            ///< create_physical() (cuMemCreate)
+  std::uint64_t release_physical_ns = 0;  ///< release_physical() (cuMemRelease)
+  std::uint64_t map_ns = 0;               ///< map() and map_run() (cuMemMap + cuMemSetAccess)
+  std::uint64_t unmap_ns = 0;             ///< unmap() (cuMemUnmap)
 
   /// Calls that changed which device memory is held or mapped (Note [The step memo]).
   [[nodiscard]] std::uint64_t mapping_calls() const noexcept {

@@ -59,6 +59,14 @@ struct Stats {
   std::uint64_t num_event_records = 0;  ///< events recorded (cross-stream frees, policy epochs)
   std::uint64_t num_event_queries = 0;  ///< events queried
   std::uint64_t event_ns = 0;           ///< time inside those records and queries (BackendCounters)
+  /// Time inside the device's memory calls by kind (BackendCounters, Note [Time in device calls]):
+  /// cudaMalloc, cudaFree, cuMemCreate, cuMemRelease, cuMemMap + cuMemSetAccess, cuMemUnmap.
+  std::uint64_t reserve_ns = 0;
+  std::uint64_t release_ns = 0;
+  std::uint64_t create_ns = 0;
+  std::uint64_t release_physical_ns = 0;
+  std::uint64_t map_ns = 0;
+  std::uint64_t unmap_ns = 0;
   std::uint64_t usage_errors = 0;       ///< rejected double frees / foreign pointers
   std::uint64_t alloc_ns = 0;           ///< time inside allocate() when timing is on
   std::uint64_t free_ns = 0;            ///< time inside deallocate() when timing is on
