@@ -7,29 +7,14 @@ namespace cachealloc {
 
 // Note [Time in device calls]
 // A policy's time inside the allocator is mostly its own code until it calls the device; then
-// one call costs as much as hundreds of allocations (cuMemMap + cuMemSetAccess about 34-55 us
-// on an idle H200, 80-90 us inside a training step by session 13's estimate). Which calls cost
-// what inside a step decides what a policy should avoid, so the non-virtual entry points below
-// time every call by kind (BackendCounters::*_ns), failed ones included, on the backend's
-// clock: two clock reads (tens of nanoseconds) against calls of microseconds.
-namespace {
-class TimedCall {
- public:
-  TimedCall(const DeviceBackend& backend, std::uint64_t& into) noexcept
-      : backend_(backend), into_(into), start_(backend.clock_ns()) {}
-  ~TimedCall() {
-    const std::uint64_t now = backend_.clock_ns();
-    into_ += now > start_ ? now - start_ : 0;
-  }
-  TimedCall(const TimedCall&) = delete;
-  TimedCall& operator=(const TimedCall&) = delete;
-
- private:
-  const DeviceBackend& backend_;
-  std::uint64_t& into_;
-  std::uint64_t start_;
-};
-}  // namespace
+// one call costs as much as hundreds of allocations (inside training steps on the H200:
+// cuMemCreate 15-35 us, cuMemMap + cuMemSetAccess 33-45 us per handle, cuMemUnmap 124 us,
+// cudaMalloc 228-262 us; bench/results/e2e_h200_2026-12-03_session14a_call_times.md). Which
+// calls cost what inside a step decides what a policy should avoid, so the non-virtual entry
+// points below time every call by kind (BackendCounters::*_ns), failed ones included, on the
+// backend's clock (detail::TimedCall): two clock reads (tens of nanoseconds) against calls of
+// microseconds.
+using detail::TimedCall;
 
 std::uint64_t DeviceBackend::clock_ns() const noexcept {
   return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(

@@ -216,33 +216,14 @@ void CudaEventPool::give_back(EventId event) noexcept {
   idle_.push_back(to_event(event));
 }
 
-namespace {
-/// Adds the time from its construction to its destruction to `backend`'s event_ns.
-class TimedEventCall {
- public:
-  explicit TimedEventCall(DeviceBackend& backend) noexcept
-      : backend_(backend), start_(backend.clock_ns()) {}
-  ~TimedEventCall() {
-    const std::uint64_t now = backend_.clock_ns();
-    backend_.mutable_counters().event_ns += now > start_ ? now - start_ : 0;
-  }
-  TimedEventCall(const TimedEventCall&) = delete;
-  TimedEventCall& operator=(const TimedEventCall&) = delete;
-
- private:
-  DeviceBackend& backend_;
-  std::uint64_t start_;
-};
-}  // namespace
-
 EventId record_counted(CudaEventPool& pool, DeviceBackend& backend, StreamId stream) {
-  const TimedEventCall timed(backend);
+  const detail::TimedCall timed(backend, backend.mutable_counters().event_ns);
   ++backend.mutable_counters().events_recorded;
   return pool.record(stream);
 }
 
 bool query_counted(CudaEventPool& pool, DeviceBackend& backend, EventId event) {
-  const TimedEventCall timed(backend);
+  const detail::TimedCall timed(backend, backend.mutable_counters().event_ns);
   ++backend.mutable_counters().event_queries;
   return pool.query(event);
 }

@@ -180,4 +180,26 @@ class DeviceBackend {
   BackendCounters counters_;
 };
 
+namespace detail {
+/// Adds the time from its construction to its destruction, on `backend`'s clock_ns(), to `into`
+/// (one of its BackendCounters' *_ns figures): the backend's memory calls (Note [Time in device
+/// calls], backend.cpp) and the CUDA backends' event calls (record_counted, query_counted).
+class TimedCall {
+ public:
+  TimedCall(const DeviceBackend& backend, std::uint64_t& into) noexcept
+      : backend_(backend), into_(into), start_(backend.clock_ns()) {}
+  ~TimedCall() {
+    const std::uint64_t now = backend_.clock_ns();
+    into_ += now > start_ ? now - start_ : 0;
+  }
+  TimedCall(const TimedCall&) = delete;
+  TimedCall& operator=(const TimedCall&) = delete;
+
+ private:
+  const DeviceBackend& backend_;
+  std::uint64_t& into_;
+  std::uint64_t start_;
+};
+}  // namespace detail
+
 }  // namespace cachealloc
