@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""record_e2e_traces.py: records the end-to-end workloads of bench/e2e as PyTorch memory snapshots.
+"""record_e2e_traces.py: records the end-to-end workloads of bench/e2e (or, with --suite validation,
+the held-out workloads of bench/validation) as PyTorch memory snapshots.
 
 Each workload (bench/e2e/workloads.py) runs under PyTorch's default allocator with memory history
 on, in the shared traces' format (`_record_memory_history(enabled="all", context=None,
 stacks="python")`: no stack frames), one device synchronize after every step as run_e2e.py does;
-the snapshot is written as OUT_DIR/e2e_<workload>.pickle.xz, which `cachealloc-replay` reads.
+the snapshot is written as OUT_DIR/e2e_<workload>.pickle.xz (validation: OUT_DIR/<workload>.pickle.xz),
+which `cachealloc-replay` reads.
 These recordings let a policy's behaviour on the e2e workloads (device calls per step, peak) be
 studied on the simulated device, without GPU time.
 
@@ -15,11 +17,16 @@ lacked them for resnet50 and the pipeline; Note [Which requests are small], defr
 
   python3 tools/scripts/record_e2e_traces.py --out-dir DIR [--workloads gpt2,resnet50,pipeline]
                                              [--steps N] [--seed 0]
+  python3 tools/scripts/record_e2e_traces.py --suite validation --out-dir DIR [--timeout-s 300]
+
+A workload that fails or runs past --timeout-s (its own process is killed) is reported and the
+others still run; the exit status is then 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import lzma
 import pickle
 import subprocess
@@ -28,11 +35,21 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench" / "e2e"))
 
 import torch  # noqa: E402
 
-import workloads  # noqa: E402
+SUITES = {"e2e": REPO / "bench" / "e2e" / "workloads.py", "validation": REPO / "bench" / "validation" / "workloads.py"}
+
+
+def load_suite(suite: str):
+    """The workloads module of a suite (both are named workloads.py, so loaded by path)."""
+    spec = importlib.util.spec_from_file_location(f"{suite}_workloads", SUITES[suite])
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
 
 # warm-up + measured steps of run_e2e.py, with the measured part doubled so that the steady
 # state is visible.
@@ -41,31 +58,54 @@ DEFAULT_STEPS = {"gpt2": 3 + 16, "resnet50": 4 + 40, "pipeline": 4 + 40}
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out-dir", required=True, help="where e2e_<workload>.pickle.xz go")
-    p.add_argument("--workloads", default=",".join(workloads.WORKLOADS),
-                   help="comma-separated workloads (default: all of bench/e2e/workloads.py)")
-    p.add_argument("--steps", type=int, default=None, help="steps per workload (default: run_e2e.py's "
-                   "warm-up plus twice its measured steps)")
+    p.add_argument("--suite", choices=sorted(SUITES), default="e2e",
+                   help="e2e: bench/e2e/workloads.py (default); validation: bench/validation/workloads.py")
+    p.add_argument("--out-dir", required=True, help="where e2e_<workload>.pickle.xz (validation: "
+                   "<workload>.pickle.xz) go")
+    p.add_argument("--workloads", default=None,
+                   help="comma-separated workloads (default: all of the suite)")
+    p.add_argument("--steps", type=int, default=None, help="steps per workload (default: e2e, run_e2e.py's "
+                   "warm-up plus twice its measured steps; validation, the suite's DEFAULT_STEPS)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=600.0,
+                   help="per workload, when several run (each in its own process): kill it after this long")
     args = p.parse_args()
+    workloads = load_suite(args.suite)
+    default_steps = DEFAULT_STEPS if args.suite == "e2e" else workloads.DEFAULT_STEPS
+    prefix = "e2e_" if args.suite == "e2e" else ""
     if not torch.cuda.is_available():
         print("record_e2e_traces: no CUDA device visible; this script records GPU allocations", file=sys.stderr)
         return 2
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    names = [w for w in args.workloads.split(",") if w]
+    names = [w for w in (args.workloads or ",".join(workloads.WORKLOADS)).split(",") if w]
+    unknown = [w for w in names if w not in workloads.WORKLOADS]
+    if unknown:
+        print(f"record_e2e_traces: unknown {args.suite} workload(s) {', '.join(unknown)}; the suite has "
+              f"{', '.join(workloads.WORKLOADS)}", file=sys.stderr)
+        return 2
     if len(names) > 1:  # one fresh process per workload
+        failed = []
         for name in names:
-            cmd = [sys.executable, __file__, "--out-dir", str(out), "--workloads", name, "--seed", str(args.seed)]
+            cmd = [sys.executable, __file__, "--suite", args.suite, "--out-dir", str(out), "--workloads", name,
+                   "--seed", str(args.seed)]
             if args.steps is not None:
                 cmd += ["--steps", str(args.steps)]
-            r = subprocess.run(cmd)
-            if r.returncode != 0:
-                return r.returncode
-        return 0
+            try:
+                r = subprocess.run(cmd, timeout=args.timeout_s)
+                why = f"exit {r.returncode}" if r.returncode != 0 else ""
+            except subprocess.TimeoutExpired:
+                why = f"killed after {args.timeout_s:.0f} s"
+            if why:
+                failed.append(f"{name} ({why})")
+                print(f"record_e2e_traces: {name}: {why}, no recording", file=sys.stderr, flush=True)
+        if failed:
+            print(f"record_e2e_traces: {len(failed)} of {len(names)} workloads not recorded: {', '.join(failed)}",
+                  file=sys.stderr)
+        return 1 if failed else 0
     device = torch.device("cuda")
     for name in names:
-        steps = args.steps if args.steps is not None else DEFAULT_STEPS[name]
+        steps = args.steps if args.steps is not None else default_steps[name]
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
@@ -77,7 +117,7 @@ def main() -> int:
             torch.cuda.synchronize(device)
         snap = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
-        path = out / f"e2e_{name}.pickle.xz"
+        path = out / f"{prefix}{name}.pickle.xz"
         with lzma.open(path, "wb", preset=6) as f:
             pickle.dump(snap, f)
         events = sum(len(t) for t in snap.get("device_traces", []))

@@ -370,6 +370,30 @@ def test_train_example_runs_on_cpu():
     assert "done: 3 steps" in r.stdout
 
 
+def test_validation_workloads_run_on_cpu_at_tiny_scale():
+    """bench/validation/workloads.py: every held-out workload builds and steps on a CPU at
+    scale="tiny" (torch.compile with the "eager" backend there), so the recording script's
+    workloads stay runnable without a GPU."""
+    _need_torch()
+    path = REPO / "bench" / "validation" / "workloads.py"
+    if not path.is_file():
+        skip("bench/validation/workloads.py is not in this checkout")
+    code = (
+        "import importlib.util, sys, torch\n"
+        f"spec = importlib.util.spec_from_file_location('validation_workloads', {str(path)!r})\n"
+        "m = importlib.util.module_from_spec(spec); sys.modules[spec.name] = m; spec.loader.exec_module(m)\n"
+        "for name in m.WORKLOADS:\n"
+        "    w = m.build(name, torch.device('cpu'), 0, 'tiny')\n"
+        "    for i in range(2):\n"
+        "        w.step(i)\n"
+        "    print('ok', name)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    done = [line.split()[1] for line in r.stdout.splitlines() if line.startswith("ok ")]
+    assert done == ["llm_generate", "llm_serve", "moe_train", "unet_train", "vit_ckpt", "lstm_lm",
+                    "compiled_gpt", "cudagraph_mlp"], r.stdout
+
+
 def test_e2e_runner_help_and_plan():
     runner = REPO / "bench" / "e2e" / "run_e2e.py"
     if not runner.is_file():
