@@ -117,6 +117,10 @@ Steps (Note [Steps and warm-up]): defaults per workload, --steps/--warmup N over
             after the first two steps (cuDNN workspaces and momentum buffers exist).
   pipeline  warm-up 4, 20 measured (~10-20 ms). Batch size changes every step; the warm-up
             covers the side stream's first record_stream hand-overs.
+  The held-out workloads of bench/validation/workloads.py run too when named in --workloads
+  (never by default): llm_generate, llm_serve, moe_train, unet_train, vit_ckpt, lstm_lm,
+  compiled_gpt, cudagraph_mlp, with the warm-up and measured steps of VALIDATION_STEPS (a step of
+  the inference workloads is one request or batch: seconds; compiled_gpt's warm-up compiles).
 
 --time-budget-s B: after the first round the harness prints the estimate for all --reps rounds;
 if it would end past B, the measured steps of the later rounds shrink (to at least --min-steps)
@@ -153,6 +157,11 @@ REPO = HERE.parent.parent
 TOOLS = REPO / "tools"
 DEFAULT_WORKLOADS = ("gpt2", "resnet50", "pipeline")
 STEP_DEFAULTS = {"gpt2": (3, 8), "resnet50": (4, 20), "pipeline": (4, 20)}  # (warm-up, measured)
+# bench/validation/workloads.py: held-out jobs, run only when named (Note [Steps and warm-up])
+VALIDATION_DIR = REPO / "bench" / "validation"
+VALIDATION_STEPS = {"llm_generate": (1, 5), "llm_serve": (1, 4), "moe_train": (4, 16), "unet_train": (4, 12),
+                    "vit_ckpt": (2, 8), "lstm_lm": (4, 16), "compiled_gpt": (6, 10), "cudagraph_mlp": (6, 16)}
+STEP_DEFAULTS.update(VALIDATION_STEPS)
 BUILTIN_CONFIGS = {
     "native": {},
     "expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
@@ -308,6 +317,28 @@ def child_env(name: str) -> dict[str, str]:
     env.setdefault("CACHEALLOC_QUIET", "1")
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+def workloads_module(workload: str) -> Any:
+    """The module that builds `workload`: bench/e2e/workloads.py, or for the held-out workloads
+    bench/validation/workloads.py (same interface; loaded by path, since both are named
+    workloads.py)."""
+    if workload not in VALIDATION_STEPS:
+        if str(HERE) not in sys.path:
+            sys.path.insert(0, str(HERE))
+        import workloads
+
+        return workloads
+    name = "validation_workloads"
+    if name not in sys.modules:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(name, VALIDATION_DIR / "workloads.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while the class is made
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def steps_for(args: argparse.Namespace, workload: str) -> tuple[int, int]:
@@ -515,9 +546,7 @@ def run_workload(spec: dict[str, Any]) -> dict[str, Any]:
             _ca.time_native()  # before CUDA is used: it refuses afterwards
             timing = _ca
             result["timing_wrapper"] = _ca._lib.loaded_torch_path()
-        if str(HERE) not in sys.path:
-            sys.path.insert(0, str(HERE))
-        import workloads
+        workloads = workloads_module(spec["workload"])
 
         device = torch.device(spec["device"])
         if device.type == "cuda" and device.index is None:
@@ -1240,7 +1269,8 @@ def report_from(json_path: Path) -> int:
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
-                   help="comma-separated: gpt2, resnet50, pipeline (default: all)")
+                   help="comma-separated: gpt2, resnet50, pipeline (default: these three), or any of the held-out "
+                        "workloads of bench/validation: " + ", ".join(VALIDATION_STEPS))
     p.add_argument("--configs", default=None,
                    help="comma-separated: native, expandable, async, cachealloc:<policy>, cachealloc-full:<policy>, "
                         "each optionally +timed (not cachealloc:<p>), +env:NAME=VALUE, cachealloc ones +key:value "
@@ -1286,8 +1316,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     for w in workloads:
-        if w not in DEFAULT_WORKLOADS:
-            print(f"run_e2e: unknown workload {w!r}; choose from {', '.join(DEFAULT_WORKLOADS)}", file=sys.stderr)
+        if w not in STEP_DEFAULTS:
+            print(f"run_e2e: unknown workload {w!r}; choose from {', '.join(DEFAULT_WORKLOADS)} or the held-out "
+                  f"{', '.join(VALIDATION_STEPS)}", file=sys.stderr)
             return 2
     configs = [c.strip() for c in args.configs.split(",")] if args.configs else default_configs()
     configs = [c for c in configs if c]
