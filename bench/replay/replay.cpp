@@ -408,7 +408,7 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
     std::snprintf(line, sizeof line,
                   "pages created %llu in %llu chunks, moved %llu in %llu chunks (%llu unmap "
                   "batches), %llu allocations mapped pages, %llu stream waits (%.1f ms), %.1f ms moving, "
-                  "slack %.3f (raised %llu times, %llu on time), %llu allocations from recent "
+                  "slack %.3f (raised %llu times, %llu on time, %llu undone), %llu allocations from recent "
                   "frees (%llu flushes)",
                   static_cast<unsigned long long>(d.pages_created),
                   static_cast<unsigned long long>(d.chunks_created),
@@ -420,6 +420,7 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
                   static_cast<double>(d.move_ns) / 1e6, d.slack,
                   static_cast<unsigned long long>(d.slack_raises),
                   static_cast<unsigned long long>(d.budget_raises),
+                  static_cast<unsigned long long>(d.slack_returns),
                   static_cast<unsigned long long>(d.recent_hits),
                   static_cast<unsigned long long>(d.recent_flushes));
     r.detail = line;

@@ -803,6 +803,7 @@ std::vector<std::pair<std::string, std::int64_t>> DefragPolicy::stat_counters() 
           {"defrag.stream_waits", v(c.stream_waits)},     {"defrag.wait_ns", v(c.wait_ns)},
           {"defrag.move_ns", v(c.move_ns)},               {"defrag.slack_raises", v(c.slack_raises)},
           {"defrag.budget_raises", v(c.budget_raises)},   {"defrag.return_raises", v(c.return_raises)},
+          {"defrag.slack_returns", v(c.slack_returns)},
           {"defrag.recent_hits", v(c.recent_hits)},
           {"defrag.slack_ppm", static_cast<std::int64_t>(c.slack * 1e6 + 0.5)}};
 }

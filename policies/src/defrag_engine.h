@@ -36,6 +36,8 @@ inline constexpr std::uint64_t kBudgetMinWindowNs = 25'000'000;
 inline constexpr std::uint64_t kBudgetMaxWindowNs = 1'000'000'000;
 /// A growth creates about this many chunks (Note [Chunks], defrag_grow.cpp)...
 inline constexpr std::size_t kChunksPerGrowth = 16;
+/// Note [Quiet time pays for a burst] (defrag_grow.cpp): quiet time banked at most, in ns.
+inline constexpr std::uint64_t kBudgetBankNs = 10'000'000'000;
 /// ...of at least this many pages each (or the whole growth when it is smaller).
 inline constexpr std::size_t kMinChunkPages = 2;
 /// With several streams, frees after which the next allocation closes the epoch, while the
@@ -348,6 +350,15 @@ class alignas(64) DefragEngine {
   std::uint64_t budget_spent_ns_ = 0;
   std::uint64_t budget_moves_ = 0;
   bool budget_open_ = false;
+  /// Note [A raise that comes back]: the quiet time (no charged growth: one below the peak that
+  /// moved pages or waited) after which the slack returns to slack_before_budget_ (0: no raise
+  /// to undo), and when the last such growth ended.
+  std::uint64_t budget_quiet_ns_ = 0;
+  std::uint64_t last_move_ns_ = 0;
+  double slack_before_budget_ = 0.0;
+  /// Note [Quiet time pays for a burst]: budget earned in quiet time and not yet spent, in ns.
+  double bank_ns_ = 0.0;
+  void lower_slack_if_quiet(std::uint64_t now_ns) noexcept;
   void note_move_time(std::uint64_t now_ns, std::uint64_t spent_ns) noexcept;
   /// The slack times `factor` (at least 0.005, at most max_grow_slack), counted as a raise.
   void raise_slack(double factor = 2.0) noexcept;

@@ -30,8 +30,9 @@
 //                     pages are moved instead of new ones created (fraction, default 0.01; 0
 //                     moves the most pages and holds the least memory)
 //   max_grow_slack    how far the slack may rise when pages keep moving, step after step
-//                     (default 0.25; equal to grow_slack: never rises) (Note [Slack that adapts
-//                     to moves], Note [A time budget for moves], defrag_grow.cpp)
+//                     (default 0.25; equal to grow_slack: never rises); a raise is undone after
+//                     quiet (Note [Slack that adapts to moves], Note [A time budget for moves],
+//                     Note [A raise that comes back], defrag_grow.cpp)
 //   small_size        requests up to this size go to their own address range, so that small
 //                     long-lived tensors do not pin the pages of large holes (bytes, default
 //                     1MB; 0 = one range for all sizes) (Note [Which requests are small])
@@ -139,6 +140,7 @@ struct DefragCounters {
   std::uint64_t slack_raises = 0;      ///< times the slack rose (Note [Slack that adapts to moves])
   std::uint64_t budget_raises = 0;     ///< of which on time (Note [A time budget for moves])
   std::uint64_t return_raises = 0;     ///< of which for pages coming back (Note [Pages that come back])
+  std::uint64_t slack_returns = 0;     ///< on-time raises undone after quiet (Note [A raise that comes back])
   std::uint64_t move_ns = 0;           ///< time spent in growths that moved pages or waited
   std::uint64_t wait_ns = 0;           ///< of which waiting for streams (synchronize_event)
   double slack = 0.0;                  ///< the grow slack in force now
@@ -193,7 +195,7 @@ class DefragPolicy {
   /// counters() as "defrag.<name>" for the front end's stats (memory_stats() in PyTorch):
   /// pages_created, chunks_created, pages_moved, chunks_moved, unmap_batches,
   /// grow_allocations, stream_waits, wait_ns, move_ns, slack_raises, budget_raises, return_raises,
-  /// recent_hits, slack_ppm (the slack in force, in millionths).
+  /// slack_returns, recent_hits, slack_ppm (the slack in force, in millionths).
   [[nodiscard]] std::vector<std::pair<std::string, std::int64_t>> stat_counters() const;
   [[nodiscard]] const DefragSettings& settings() const noexcept;
   /// Sum of the (512-byte rounded) sizes of live blocks.
