@@ -521,9 +521,13 @@ void DefragEngine::note_move_time(std::uint64_t now_ns, std::uint64_t spent_ns) 
     }
     raise_slack(std::clamp(over / 4, 2.0, 16.0));
     ++counters_.budget_raises;
-    budget_quiet_ns_ = std::max({budget_quiet_ns_, kBudgetMaxWindowNs,
-                                 static_cast<std::uint64_t>(static_cast<double>(budget_spent_ns_) /
-                                                            settings_.move_budget)});
+    // (move_budget:0 allows no moves at all: such a raise never comes back.)
+    const double quiet = settings_.move_budget > 0
+                             ? static_cast<double>(budget_spent_ns_) / settings_.move_budget
+                             : std::numeric_limits<double>::infinity();
+    const std::uint64_t quiet_ns =
+        quiet < 1e18 ? static_cast<std::uint64_t>(quiet) : std::numeric_limits<std::uint64_t>::max();
+    budget_quiet_ns_ = std::max({budget_quiet_ns_, kBudgetMaxWindowNs, quiet_ns});
   }
   budget_open_ = false;
 }

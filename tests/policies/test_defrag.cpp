@@ -1256,8 +1256,8 @@ TEST_CASE("defrag: moves in bursts seconds apart are paid by the quiet time, and
   // a burst] lets the bursts move pages without a raise on time. Back to back for 30 steps and
   // then in bursts: the raises of the first part come back after the first quiet (Note [A raise
   // that comes back]) and the rest moves pages again.
-  const auto run = [](int busy_steps) {
-    Workload w("max_grow_slack:0.25", 2'000);
+  const auto run = [](int busy_steps, const std::string& conf = "max_grow_slack:0.25") {
+    Workload w(conf, 2'000);
     std::mt19937_64 rng(5);
     std::vector<void*> weights;
     for (int i = 0; i < 8; ++i) {
@@ -1313,6 +1313,11 @@ TEST_CASE("defrag: moves in bursts seconds apart are paid by the quiet time, and
   CHECK(later.slack_returns >= 1);
   CHECK(later.slack < busy.slack);
   CHECK(later.chunks_moved > busy.chunks_moved);
+  // move_budget:0 allows no moves: its raises never come back (and nothing divides by zero).
+  const auto [none, none_peak] = run(30, "max_grow_slack:0.25,move_budget:0");
+  INFO("move_budget:0: " << show(none, none_peak));
+  CHECK(none.budget_raises >= 1);
+  CHECK(none.slack_returns == 0);
 }
 
 TEST_CASE("defrag: pages the small and large ranges trade back and forth at every step stay put",
