@@ -394,6 +394,39 @@ def test_validation_workloads_run_on_cpu_at_tiny_scale():
                     "compiled_gpt", "cudagraph_mlp"], r.stdout
 
 
+def test_validation_replay_table_lists_every_policy_and_says_where_defrag_misses(tmp_path):
+    """bench/validation/replay_table.py on the smallest held-out recording (cudagraph_mlp), with
+    the cachealloc-replay of a build tree: one row, a ratio for every policy and expandable
+    segments, the native model's fidelity, a summary line; a missing binary is a clear error."""
+    import glob
+
+    script = REPO / "bench" / "validation" / "replay_table.py"
+    trace = REPO / "bench" / "validation" / "recordings" / "cudagraph_mlp.pickle.xz"
+    found = sorted(glob.glob(str(REPO / "build*" / "bench" / "replay" / "cachealloc-replay")))
+    if not script.is_file() or not trace.is_file():
+        skip("bench/validation is not in this checkout")
+    if not found:
+        skip("cachealloc-replay is not built (cmake --build build --target cachealloc-replay)")
+    out = tmp_path / "table.md"
+    r = subprocess.run([sys.executable, str(script), "--replay", found[0], "--out", str(out), "--json",
+                        str(tmp_path / "rows.json"), str(trace)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    table = out.read_text()
+    row = [line for line in table.splitlines() if line.startswith("| cudagraph_mlp")]
+    assert len(row) == 1, table
+    cells = [c.strip() for c in row[0].strip("|").split("|")]
+    ratios = cells[4:9]  # native, expandable, async, size_class, defrag
+    for cell in ratios:
+        assert float(cell.strip("*").split()[0]) >= 1.0, row[0]
+    assert "diverges at event" in cells[-1] or cells[-1] == "MATCH"
+    assert "defrag at most 1.02 of peak requested on" in table
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert set(rows[0]["policies"]) >= {"native", "expandable", "defrag"}
+    bad = subprocess.run([sys.executable, str(script), "--replay", str(tmp_path / "missing"), str(trace)],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "is not an executable" in bad.stderr
+
+
 def test_e2e_runner_help_and_plan():
     runner = REPO / "bench" / "e2e" / "run_e2e.py"
     if not runner.is_file():
