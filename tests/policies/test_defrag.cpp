@@ -332,6 +332,30 @@ class Workload {
   std::uint64_t steps_ = 0;
 };
 
+/// One step of the time-budget tests' workload: 300 small blocks (256 KiB-2.25 MiB), then two
+/// large ones whose split of 258 MiB is drawn at random, so pages move at a few growths per
+/// step; half the small blocks die mid-step. `alloc` allocates through `w` (and may watch).
+template <typename Alloc>
+void random_shape_step(Workload& w, std::mt19937_64& rng, Alloc&& alloc) {
+  std::vector<void*> acts;
+  for (int i = 0; i < 300; ++i) {
+    acts.push_back(alloc(256 * kKiB + rng() % (2 * MiB)));
+  }
+  const std::size_t big = (8 + rng() % 56) * 4 * MiB;
+  void* a = alloc(big);
+  void* b = alloc(256 * MiB - big + 2 * MiB);
+  for (std::size_t i = 0; i < acts.size(); i += 2) {
+    w.free(acts[i]);
+  }
+  w.free(a);
+  void* c = alloc(big + 6 * MiB);
+  w.free(b);
+  w.free(c);
+  for (std::size_t i = 1; i < acts.size(); i += 2) {
+    w.free(acts[i]);
+  }
+}
+
 }  // namespace
 
 // ============================================================================ settings
@@ -1213,23 +1237,7 @@ TEST_CASE("defrag: the slack rises when moving pages takes more than move_budget
     weights.push_back(w.alloc(64 * MiB));
   }
   for (int step = 0; step < 120; ++step) {
-    std::vector<void*> acts;
-    for (int i = 0; i < 300; ++i) {
-      acts.push_back(w.alloc(256 * kKiB + rng() % (2 * MiB)));
-    }
-    const std::size_t big = (8 + rng() % 56) * 4 * MiB;
-    void* a = w.alloc(big);
-    void* b = w.alloc(256 * MiB - big + 2 * MiB);
-    for (std::size_t i = 0; i < acts.size(); i += 2) {
-      w.free(acts[i]);
-    }
-    w.free(a);
-    void* c = w.alloc(big + 6 * MiB);
-    w.free(b);
-    w.free(c);
-    for (std::size_t i = 1; i < acts.size(); i += 2) {
-      w.free(acts[i]);
-    }
+    random_shape_step(w, rng, [&](std::size_t bytes) { return w.alloc(bytes); });
   }
   const DefragCounters c = w.allocator().policy().counters();
   INFO("chunks moved " << c.chunks_moved << ", move time " << c.move_ns / 1000000 << " ms, slack "
@@ -1267,23 +1275,7 @@ TEST_CASE("defrag: moves in bursts seconds apart are paid by the quiet time, and
       if (step >= busy_steps && step % 3 == 0) {
         w.idle(5'000'000'000);
       }
-      std::vector<void*> acts;
-      for (int i = 0; i < 300; ++i) {
-        acts.push_back(w.alloc(256 * kKiB + rng() % (2 * MiB)));
-      }
-      const std::size_t big = (8 + rng() % 56) * 4 * MiB;
-      void* a = w.alloc(big);
-      void* b = w.alloc(256 * MiB - big + 2 * MiB);
-      for (std::size_t i = 0; i < acts.size(); i += 2) {
-        w.free(acts[i]);
-      }
-      w.free(a);
-      void* c = w.alloc(big + 6 * MiB);
-      w.free(b);
-      w.free(c);
-      for (std::size_t i = 1; i < acts.size(); i += 2) {
-        w.free(acts[i]);
-      }
+      random_shape_step(w, rng, [&](std::size_t bytes) { return w.alloc(bytes); });
     }
     for (void* p : weights) {
       w.free(p);
@@ -1424,23 +1416,7 @@ TEST_CASE("defrag: far over the time budget, the slack rises before a window is 
     return p;
   };
   for (int step = 0; step < 60; ++step) {
-    std::vector<void*> acts;
-    for (int i = 0; i < 300; ++i) {
-      acts.push_back(alloc(256 * kKiB + rng() % (2 * MiB)));
-    }
-    const std::size_t big = (8 + rng() % 56) * 4 * MiB;
-    void* a = alloc(big);
-    void* b = alloc(256 * MiB - big + 2 * MiB);
-    for (std::size_t i = 0; i < acts.size(); i += 2) {
-      w.free(acts[i]);
-    }
-    w.free(a);
-    void* c = alloc(big + 6 * MiB);
-    w.free(b);
-    w.free(c);
-    for (std::size_t i = 1; i < acts.size(); i += 2) {
-      w.free(acts[i]);
-    }
+    random_shape_step(w, rng, alloc);
   }
   const DefragCounters c = w.allocator().policy().counters();
   INFO("moving growths " << moving_growths << ", at the first raise on time "
