@@ -319,26 +319,30 @@ def child_env(name: str) -> dict[str, str]:
     return env
 
 
+def load_workloads_file(path: Path, name: str) -> Any:
+    """The Python file `path` imported as module `name`, once (bench/e2e and bench/validation both
+    call theirs workloads.py, so they are loaded by path; tools/scripts/record_e2e_traces.py too)."""
+    if name not in sys.modules:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while the class is made
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 def workloads_module(workload: str) -> Any:
     """The module that builds `workload`: bench/e2e/workloads.py, or for the held-out workloads
-    bench/validation/workloads.py (same interface; loaded by path, since both are named
-    workloads.py)."""
+    bench/validation/workloads.py (same interface)."""
     if workload not in VALIDATION_STEPS:
         if str(HERE) not in sys.path:
             sys.path.insert(0, str(HERE))
         import workloads
 
         return workloads
-    name = "validation_workloads"
-    if name not in sys.modules:
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location(name, VALIDATION_DIR / "workloads.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up while the class is made
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_workloads_file(VALIDATION_DIR / "workloads.py", "validation_workloads")
 
 
 def steps_for(args: argparse.Namespace, workload: str) -> tuple[int, int]:

@@ -28,14 +28,19 @@ const Expected kTraces[] = {
     {"resnet50_train_expandable.pickle.xz", 3'225'419'776ull, 3'192'592'912ull},
 };
 
-const replay::PreparedTrace& prepared(const std::string& file) {
+/// The snapshot at `path`, read and prepared once per test run.
+const replay::PreparedTrace& prepared_at(const std::string& path, const std::string& name) {
   static std::map<std::string, replay::PreparedTrace> cache;
-  auto it = cache.find(file);
+  auto it = cache.find(path);
   if (it == cache.end()) {
-    const auto snapshot = trace::read_snapshot(std::string(CACHEALLOC_TRACE_DIR) + "/" + file);
-    it = cache.emplace(file, replay::prepare(snapshot, file)).first;
+    it = cache.emplace(path, replay::prepare(trace::read_snapshot(path), name)).first;
   }
   return it->second;
+}
+
+/// A bundled trace (tests/data/traces).
+const replay::PreparedTrace& prepared(const std::string& file) {
+  return prepared_at(std::string(CACHEALLOC_TRACE_DIR) + "/" + file, file);
 }
 
 #ifdef CACHEALLOC_HAS_NATIVE
@@ -164,15 +169,8 @@ TEST_CASE("replay: the held-out validation recordings replay on every policy wit
       continue;
     }
     INFO(set << "/" << name << " policy " << policy);
-    static std::map<std::string, replay::PreparedTrace> cache;
-    const std::string path =
-        std::string(CACHEALLOC_VALIDATION_DIR) + "/" + set + "/" + name + ".pickle.xz";
-    auto it = cache.find(path);
-    if (it == cache.end()) {
-      const auto snapshot = trace::read_snapshot(path);
-      it = cache.emplace(path, replay::prepare(snapshot, name)).first;
-    }
-    const replay::PreparedTrace& t = it->second;
+    const replay::PreparedTrace& t = prepared_at(
+        std::string(CACHEALLOC_VALIDATION_DIR) + "/" + set + "/" + name + ".pickle.xz", name);
     CHECK(t.unmatched_frees == 0);
     replay::ReplayOptions opts;
     opts.check_every = 997;

@@ -26,7 +26,6 @@ others still run; the exit status is then 1.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import lzma
 import pickle
 import subprocess
@@ -35,20 +34,18 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench" / "e2e"))
 
 import torch  # noqa: E402
+
+from run_e2e import load_workloads_file  # noqa: E402
 
 SUITES = {"e2e": REPO / "bench" / "e2e" / "workloads.py", "validation": REPO / "bench" / "validation" / "workloads.py"}
 
 
 def load_suite(suite: str):
     """The workloads module of a suite (both are named workloads.py, so loaded by path)."""
-    spec = importlib.util.spec_from_file_location(f"{suite}_workloads", SUITES[suite])
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
+    return load_workloads_file(SUITES[suite], f"{suite}_workloads")
 
 
 # warm-up + measured steps of run_e2e.py, with the measured part doubled so that the steady

@@ -379,9 +379,10 @@ def test_validation_workloads_run_on_cpu_at_tiny_scale():
     if not path.is_file():
         skip("bench/validation/workloads.py is not in this checkout")
     code = (
-        "import importlib.util, sys, torch\n"
-        f"spec = importlib.util.spec_from_file_location('validation_workloads', {str(path)!r})\n"
-        "m = importlib.util.module_from_spec(spec); sys.modules[spec.name] = m; spec.loader.exec_module(m)\n"
+        "import sys, torch\n"
+        f"sys.path.insert(0, {str(REPO / 'bench' / 'e2e')!r})\n"
+        "from run_e2e import workloads_module\n"
+        "m = workloads_module('llm_generate')\n"
         "for name in m.WORKLOADS:\n"
         "    w = m.build(name, torch.device('cpu'), 0, 'tiny')\n"
         "    for i in range(2):\n"
