@@ -16,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build-gpu}
 JOBS=${JOBS:-$(nproc)}
-TARGETS=(cachealloc_gpu_tests cachealloc_plugin cachealloc_capi cachealloc-replay cachealloc-micro cachealloc-micro-cuda
+TARGETS=(cachealloc_gpu_tests cachealloc_plugin cachealloc_capi cachealloc-replay cachealloc-micro cachealloc-micro-cuda cachealloc-cold-replay
          cachealloc_torch cachealloc_torch_tests cachealloc_libtorch_app cuda_call_timer)
 prefix=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_CUDA_ARCHITECTURES=90 >/dev/null

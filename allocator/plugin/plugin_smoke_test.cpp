@@ -83,6 +83,11 @@ int main() {
   SMOKE_CHECK(cachealloc_validate_config("policy:no_such_policy") == -1);
   SMOKE_CHECK(std::string(cachealloc_last_error()).find("size_class") != std::string::npos);
   SMOKE_CHECK(cachealloc_validate_config("timing:maybe") == -1);
+  // The virtual-memory backend's key: taken by defrag (checked by value), unknown to size_class.
+  SMOKE_CHECK(cachealloc_validate_config("policy:defrag,background_unmap:False") == 0);
+  SMOKE_CHECK(cachealloc_validate_config("policy:defrag,background_unmap:maybe") == -1);
+  SMOKE_CHECK(std::string(cachealloc_last_error()).find("background_unmap") != std::string::npos);
+  SMOKE_CHECK(cachealloc_validate_config("policy:size_class,background_unmap:True") == -1);
   SMOKE_CHECK(cachealloc_validate_config(nullptr) == 0);  // CTest's CACHEALLOC_CONF is valid
   SMOKE_CHECK(std::string(cachealloc_policy_name()) == "size_class");
   SMOKE_CHECK(cachealloc_is_active() == 0);

@@ -49,6 +49,9 @@ class RecordingBackend final : public DeviceBackend, private VirtualMemory {
   [[nodiscard]] VirtualMemory* virtual_memory() noexcept override {
     return inner_vm_ != nullptr ? static_cast<VirtualMemory*>(this) : nullptr;
   }
+  [[nodiscard]] BackgroundWork background_work() const noexcept override {
+    return inner_->background_work();
+  }
 
   [[nodiscard]] DeviceBackend& inner() noexcept { return *inner_; }
 

@@ -6,6 +6,7 @@
 
 #include <cachealloc/cuda/async_backend.h>
 #include <cachealloc/cuda/factory.h>
+#include <cachealloc/cuda/vmm_backend.h>
 #include <cachealloc/errors.h>
 #include <cachealloc/policies/registry.h>
 #include <cachealloc/sim_backend.h>
@@ -180,6 +181,9 @@ FrontEndSettings validate_config(std::string_view text) {
   if (policy->backend == BackendNeed::stream_ordered) {
     (void)CudaAsyncOptions::from_config(values);
     return settings;
+  }
+  if (settings.backend_kind == "virtual_memory") {
+    (void)CudaVmmOptions::from_config(values);  // its values are checked here, as async's above
   }
   for (std::string_view k : cuda_backend_config_keys(settings.backend_kind)) {
     (void)values.take_string(k);

@@ -19,7 +19,8 @@
 // validate_config() checks CACHEALLOC_CONF without touching a device: key names against the
 // front end's, the policy's and its CUDA backend's keys (Config::finish lists the valid ones),
 // then values by building the policy over a simulated backend (stream-ordered policies are
-// checked by name only, and their backend's values by CudaAsyncOptions::from_config). The
+// checked by name only, and their backend's values by CudaAsyncOptions::from_config; the
+// virtual-memory backend's by CudaVmmOptions::from_config). The
 // runtime runs the same validation when it starts, so a bad key fails at CUDA initialisation
 // (the plugin's init hook) or at enable(), never at some later allocation.
 #pragma once

@@ -88,6 +88,9 @@ std::map<std::string, std::int64_t> Stats::to_map() const {
   m["release_physical_ns"] = static_cast<std::int64_t>(release_physical_ns);
   m["map_ns"] = static_cast<std::int64_t>(map_ns);
   m["unmap_ns"] = static_cast<std::int64_t>(unmap_ns);
+  m["background_unmaps"] = static_cast<std::int64_t>(background_unmaps);
+  m["background_unmap_ns"] = static_cast<std::int64_t>(background_unmap_ns);
+  m["background_unmap_wait_ns"] = static_cast<std::int64_t>(background_unmap_wait_ns);
   m["num_maps"] = static_cast<std::int64_t>(num_maps);
   m["num_unmaps"] = static_cast<std::int64_t>(num_unmaps);
   m["bytes_mapped"] = static_cast<std::int64_t>(bytes_mapped);

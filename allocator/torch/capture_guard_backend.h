@@ -70,6 +70,9 @@ class CaptureGuardBackend final : public DeviceBackend, private VirtualMemory {
   [[nodiscard]] VirtualMemory* virtual_memory() noexcept override {
     return inner_vm_ != nullptr ? static_cast<VirtualMemory*>(this) : nullptr;
   }
+  [[nodiscard]] BackgroundWork background_work() const noexcept override {
+    return inner_->background_work();
+  }
 
   /// Device frees waiting for the end of a capture (for tests and statistics).
   [[nodiscard]] std::size_t deferred_releases() const noexcept { return deferred_releases_.size(); }

@@ -173,6 +173,8 @@ COUNTER_KEYS = ("allocator_ns", "alloc_calls", "free_calls", "num_device_alloc",
                 "num_event_records", "num_event_queries", "event_ns",
                 # time inside each kind of device memory call (Note [Time in device calls], backend.cpp)
                 "reserve_ns", "release_ns", "create_ns", "release_physical_ns", "map_ns", "unmap_ns",
+                # the VMM backend's unmap thread (Note [Unmapping off the allocating thread])
+                "background_unmaps", "background_unmap_ns", "background_unmap_wait_ns",
                 "num_alloc_retries", "num_ooms",
                 # policy defrag's own counters (DefragPolicy::stat_counters())
                 "defrag.pages_moved", "defrag.chunks_moved", "defrag.stream_waits", "defrag.wait_ns",
@@ -1044,10 +1046,19 @@ def device_call_line(cfg: str, d: dict[str, float]) -> str | None:
         count = d.get(count_key, 0.0)
         each = f", {ns / count / 1e3:,.0f} µs each" if count > 0 else ""
         parts.append(f"{label} {ns / 1e3:,.1f} µs/step ({count:,.2f} calls/step{each})")
-    if not parts:
+    bg = d.get("background_unmaps", 0.0)
+    if not parts and bg <= 0:
         return None
-    return (f"- inside {cfg}'s allocator time: {total / 1e3:,.1f} µs/step in device memory calls: "
+    line = (f"- inside {cfg}'s allocator time: {total / 1e3:,.1f} µs/step in device memory calls: "
             + "; ".join(parts))
+    if bg > 0:
+        # Not allocator time: the VMM backend's own thread (Note [Unmapping off the allocating
+        # thread]); only the time callers blocked on it is, and it is named here.
+        line += (f". On the backend's unmap thread, outside the allocator's time: cuMemUnmap "
+                 f"{d.get('background_unmap_ns', 0.0) / 1e3:,.1f} µs/step ({bg:,.2f} calls/step, "
+                 f"{d.get('background_unmap_ns', 0.0) / bg / 1e3:,.0f} µs each); allocations blocked "
+                 f"on it {d.get('background_unmap_wait_ns', 0.0) / 1e3:,.1f} µs/step")
+    return line
 
 
 def verdicts(rows: dict[str, Any]) -> list[str]:

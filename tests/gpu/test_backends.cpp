@@ -248,6 +248,73 @@ TEST_CASE("cuda_vmm: granularity, map/unmap round trip, remapping keeps data", "
   CHECK(vm->physical_bytes() == 0);
 }
 
+TEST_CASE("cuda_vmm: background unmap (aliasing while the old mapping goes, waits on reuse)",
+          "[gpu][vmm]") {
+  // Note [Unmapping off the allocating thread]: unmap() only queues; the handle may be mapped
+  // elsewhere at once, and a map into the range being unmapped waits for that unmap.
+  for (const bool background : {true, false}) {
+    CAPTURE(background);
+    CudaVmmBackend backend(test_device(), CudaVmmOptions{background});
+    CHECK(backend.options().background_unmap == background);
+    VirtualMemory* vm = backend.virtual_memory();
+    REQUIRE(vm != nullptr);
+    const std::size_t g = vm->granularity();
+    TestStream s;
+    DeviceCounter mismatches;
+    const std::uintptr_t va = vm->reserve_address(4 * g);
+    const std::uintptr_t va2 = vm->reserve_address(4 * g);
+    const PhysicalHandle a = vm->create_physical(4 * g);
+    const PhysicalHandle b = vm->create_physical(4 * g);
+    REQUIRE((a != 0 && b != 0));
+    vm->map(va, 4 * g, a);
+    vm->map(va2, 4 * g, b);
+    GPU_REQUIRE_OK(launch_fill(reinterpret_cast<void*>(va), 4 * g, 7, kSeed, s.get()));
+    GPU_REQUIRE_OK(launch_fill(reinterpret_cast<void*>(va2), 4 * g, 8, kSeed, s.get()));
+    GPU_REQUIRE_OK(cudaStreamSynchronize(s.get()));
+    for (int round = 0; round < 50; ++round) {
+      // Swap the two handles between the two ranges, each unmap followed at once by a map of
+      // the same range (it must wait) and of the same handle elsewhere (aliasing).
+      const bool even = round % 2 == 0;
+      vm->unmap(va, 4 * g);
+      vm->unmap(va2, 4 * g);
+      vm->map(va, 4 * g, even ? b : a);
+      vm->map(va2, 4 * g, even ? a : b);
+      GPU_REQUIRE_OK(launch_verify(reinterpret_cast<void*>(va), 4 * g, even ? 8 : 7, kSeed,
+                                   mismatches.get(), s.get()));
+      GPU_REQUIRE_OK(launch_verify(reinterpret_cast<void*>(va2), 4 * g, even ? 7 : 8, kSeed,
+                                   mismatches.get(), s.get()));
+      GPU_REQUIRE_OK(cudaStreamSynchronize(s.get()));
+    }
+    CHECK(mismatches.read() == 0);
+    CHECK(backend.counters().unmap_calls == 100);
+    vm->unmap(va, 4 * g);
+    vm->unmap(va2, 4 * g);
+    vm->release_physical(a, 4 * g);  // waits for the queued unmaps
+    CHECK(backend.pending_unmaps() == 0);
+    const BackgroundWork work = backend.background_work();
+    if (background) {
+      CHECK(work.unmaps == 102);
+      CHECK(work.busy_ns > 0);
+      std::printf("cuda_vmm background unmap: %llu unmaps, %.1f us each on the unmap thread, "
+                  "callers blocked %.1f us in all\n",
+                  static_cast<unsigned long long>(work.unmaps),
+                  static_cast<double>(work.busy_ns) / 1e3 / static_cast<double>(work.unmaps),
+                  static_cast<double>(work.blocked_ns) / 1e3);
+    } else {
+      CHECK(work.unmaps == 0);
+    }
+    vm->release_physical(b, 4 * g);
+    vm->free_address(va, 4 * g);
+    vm->free_address(va2, 4 * g);
+    CHECK(backend.held_bytes() == 0);
+  }
+  Config config = Config::parse("background_unmap:False");
+  auto made = make_cuda_backend("virtual_memory", test_device(), config);
+  CHECK_FALSE(dynamic_cast<CudaVmmBackend&>(*made).options().background_unmap);
+  Config bad = Config::parse("background_unmap:sometimes");
+  CHECK_THROWS_AS(make_cuda_backend("virtual_memory", test_device(), bad), ConfigError);
+}
+
 TEST_CASE("cuda_async: private pool, stream-ordered allocation, attributes", "[gpu][async]") {
   TestStream s;
 

@@ -381,7 +381,9 @@ def memory_stats(device: DeviceLike = None) -> dict[str, int]:
     ``num_device_free``, ``num_sync_all_streams``, ``num_event_records``, ``num_event_queries``
     and ``event_ns`` (events recorded and queried, and the time inside those calls),
     ``reserve_ns``, ``release_ns``, ``create_ns``, ``release_physical_ns``, ``map_ns`` and
-    ``unmap_ns`` (the time inside each kind of device memory call),
+    ``unmap_ns`` (the time inside each kind of device memory call), ``background_unmaps``,
+    ``background_unmap_ns`` and ``background_unmap_wait_ns`` (unmaps run by the VMM backend's own
+    thread, its time in them, and the time allocations waited for them),
     ``allocator_ns`` (time inside the allocator's
     alloc and free, with ``alloc_ns`` and ``free_ns``), ... Without cachealloc: PyTorch's own.
     """

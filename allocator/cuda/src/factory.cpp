@@ -19,6 +19,9 @@ std::vector<std::string_view> cuda_backend_config_keys(std::string_view kind) {
   if (kind == "stream_ordered") {
     return CudaAsyncBackend::config_keys();
   }
+  if (kind == "virtual_memory") {
+    return CudaVmmBackend::config_keys();
+  }
   return {};
 }
 
@@ -27,7 +30,7 @@ std::unique_ptr<DeviceBackend> make_cuda_backend(std::string_view kind, int devi
     return std::make_unique<CudaRuntimeBackend>(device);
   }
   if (kind == "virtual_memory") {
-    return std::make_unique<CudaVmmBackend>(device);
+    return std::make_unique<CudaVmmBackend>(device, CudaVmmOptions::from_config(config));
   }
   if (kind == "stream_ordered") {
     return std::make_unique<CudaAsyncBackend>(device, CudaAsyncOptions::from_config(config));

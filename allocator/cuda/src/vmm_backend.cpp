@@ -6,6 +6,8 @@
 #include "cuda_check.h"
 #include "driver_api.h"
 
+#include <cuda_runtime_api.h>
+
 #include <string>
 
 namespace cachealloc {
@@ -31,7 +33,18 @@ CUdeviceptr to_cu(std::uintptr_t va) noexcept { return static_cast<CUdeviceptr>(
 
 }  // namespace
 
-CudaVmmBackend::CudaVmmBackend(int device) : CudaRuntimeBackend(with_driver_api(device)) {
+CudaVmmOptions CudaVmmOptions::from_config(Config& config) {
+  CudaVmmOptions o;
+  if (auto v = config.take_bool("background_unmap")) {
+    o.background_unmap = *v;
+  }
+  return o;
+}
+
+std::vector<std::string_view> CudaVmmBackend::config_keys() { return {"background_unmap"}; }
+
+CudaVmmBackend::CudaVmmBackend(int device, CudaVmmOptions options)
+    : CudaRuntimeBackend(with_driver_api(device)), options_(options) {
   // The runtime initialised the primary context (CudaRuntimeBackend's constructor called
   // cudaFree(nullptr) on the device); the driver calls below run in it.
   const cuda_detail::DriverApi& api = cuda_detail::driver_api();
@@ -58,9 +71,50 @@ CudaVmmBackend::CudaVmmBackend(int device) : CudaRuntimeBackend(with_driver_api(
   CACHEALLOC_CU_CHECK(api.mem_get_allocation_granularity(&minimum_granularity_, &prop,
                                                          CU_MEM_ALLOC_GRANULARITY_MINIMUM));
   attach(*this);
+  if (options_.background_unmap) {
+    // Note [Unmapping off the allocating thread] (background_unmapper.h).
+    unmapper_ = std::make_unique<BackgroundUnmapper>(
+        [](std::uintptr_t va, std::size_t bytes) -> std::string {
+          const CUresult status = cuda_detail::driver_api().mem_unmap(to_cu(va), bytes);
+          return status == CUDA_SUCCESS
+                     ? std::string()
+                     : cuda_detail::describe_driver_error(status, "cuMemUnmap", __FILE__, __LINE__);
+        },
+        [device] {
+          CACHEALLOC_CUDA_CHECK(cudaSetDevice(device));
+          // Relaxed, so that this thread's calls never invalidate a graph another thread
+          // captures in the default global mode (capture_guard_backend.h).
+          cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+          CACHEALLOC_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+        });
+  }
 }
 
-CudaVmmBackend::~CudaVmmBackend() = default;
+CudaVmmBackend::~CudaVmmBackend() {
+  try {
+    drain_unmaps();
+  } catch (const Error& e) {
+    cuda_detail::warn_exception(__func__, e);
+  }
+  unmapper_.reset();  // joins the thread while the driver state it uses is still there
+}
+
+BackgroundWork CudaVmmBackend::background_work() const noexcept {
+  if (unmapper_ == nullptr) {
+    return {};
+  }
+  return BackgroundWork{unmapper_->completed(), unmapper_->busy_ns(), unmapper_->blocked_ns()};
+}
+
+std::size_t CudaVmmBackend::pending_unmaps() const noexcept {
+  return unmapper_ != nullptr ? unmapper_->pending() : 0;
+}
+
+void CudaVmmBackend::drain_unmaps() {
+  if (unmapper_ != nullptr) {
+    unmapper_->drain();
+  }
+}
 
 std::uintptr_t CudaVmmBackend::reserve_address(std::size_t bytes) {
   const cuda_detail::DriverApi& api = cuda_detail::driver_api();
@@ -72,6 +126,7 @@ std::uintptr_t CudaVmmBackend::reserve_address(std::size_t bytes) {
 
 void CudaVmmBackend::free_address(std::uintptr_t va, std::size_t bytes) noexcept {
   try {
+    drain_unmaps();  // the range's mappings must be gone before it is freed
     const cuda_detail::DriverApi& api = cuda_detail::driver_api();
     CudaDeviceGuard guard(device(), /*force=*/true);
     CACHEALLOC_CU_WARN(api.mem_address_free(to_cu(va), bytes));
@@ -98,6 +153,9 @@ PhysicalHandle CudaVmmBackend::do_create_physical(std::size_t bytes) {
 
 void CudaVmmBackend::do_release_physical(PhysicalHandle handle, std::size_t /*bytes*/) noexcept {
   try {
+    // The driver frees the memory once its last mapping is gone: wait for queued unmaps, so
+    // that the memory is back on the device when this returns (empty_cache, out of memory).
+    drain_unmaps();
     const cuda_detail::DriverApi& api = cuda_detail::driver_api();
     CudaDeviceGuard guard(device(), /*force=*/true);
     CACHEALLOC_CU_WARN(api.mem_release(static_cast<CUmemGenericAllocationHandle>(handle)));
@@ -113,6 +171,13 @@ void CudaVmmBackend::do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle
 
 void CudaVmmBackend::do_map_run(std::uintptr_t va, std::span<const MapPiece> pieces) {
   const cuda_detail::DriverApi& api = cuda_detail::driver_api();
+  if (unmapper_ != nullptr) {
+    std::size_t total = 0;
+    for (const MapPiece& p : pieces) {
+      total += p.bytes;
+    }
+    unmapper_->wait_for(va, total);  // a queued unmap of this range runs first
+  }
   CudaDeviceGuard guard(device(), /*force=*/true);
   std::uintptr_t at = va;
   CUresult status = CUDA_SUCCESS;
@@ -141,6 +206,10 @@ void CudaVmmBackend::do_map_run(std::uintptr_t va, std::span<const MapPiece> pie
 
 // Note [Unmapping does not wait for the device] in vmm_backend.h.
 void CudaVmmBackend::do_unmap(std::uintptr_t va, std::size_t bytes) {
+  if (unmapper_ != nullptr) {
+    unmapper_->post(va, bytes);  // Note [Unmapping off the allocating thread]
+    return;
+  }
   const cuda_detail::DriverApi& api = cuda_detail::driver_api();
   CudaDeviceGuard guard(device(), /*force=*/true);
   CACHEALLOC_CU_CHECK(api.mem_unmap(to_cu(va), bytes));

@@ -384,6 +384,10 @@ class CachingAllocator final : public DeviceAllocator {
     s.release_physical_ns = c.release_physical_ns;
     s.map_ns = c.map_ns;
     s.unmap_ns = c.unmap_ns;
+    const BackgroundWork bg = backend_->background_work();
+    s.background_unmaps = bg.unmaps;
+    s.background_unmap_ns = bg.busy_ns;
+    s.background_unmap_wait_ns = bg.blocked_ns;
     if constexpr (requires(const P& p) { p.stat_counters(); }) {
       s.policy_counters = policy_.stat_counters();
     }

@@ -62,6 +62,15 @@ struct BackendCounters {
   }
 };
 
+/// What a backend's own thread did (cuda_vmm's background unmaps: Note [Unmapping off the
+/// allocating thread], background_unmapper.h). Read without the caller's lock: the figures are
+/// atomics of that thread.
+struct BackgroundWork {
+  std::uint64_t unmaps = 0;      ///< unmaps the thread ran
+  std::uint64_t busy_ns = 0;     ///< time the thread spent in them (no caller waited for it)
+  std::uint64_t blocked_ns = 0;  ///< time callers blocked until one finished (inside their calls)
+};
+
 /// One handle of a run mapped by VirtualMemory::map_run.
 struct MapPiece {
   PhysicalHandle handle;
@@ -147,6 +156,8 @@ class DeviceBackend {
   [[nodiscard]] virtual VirtualMemory* virtual_memory() noexcept { return nullptr; }
   /// The stream-ordered pool (stream_ordered.h), or nullptr when this backend has none.
   [[nodiscard]] virtual StreamOrderedMemory* stream_ordered() noexcept { return nullptr; }
+  /// Work done on the backend's own thread (adaptors report their wrapped backend's).
+  [[nodiscard]] virtual BackgroundWork background_work() const noexcept { return {}; }
 
   // ---- limits and counters (not virtual: Note [Accounting and limits live in the base class]) ----
   /// Upper bound on reserved + physical bytes; default: unlimited (the device decides).

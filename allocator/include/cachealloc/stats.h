@@ -67,6 +67,12 @@ struct Stats {
   std::uint64_t release_physical_ns = 0;
   std::uint64_t map_ns = 0;
   std::uint64_t unmap_ns = 0;
+  /// Unmaps run by the backend's own thread (cuda_vmm with background_unmap: Note [Unmapping
+  /// off the allocating thread], background_unmapper.h), the time that thread spent in them (not
+  /// part of any allocator call), and the time allocator calls blocked waiting for them (part).
+  std::uint64_t background_unmaps = 0;
+  std::uint64_t background_unmap_ns = 0;
+  std::uint64_t background_unmap_wait_ns = 0;
   std::uint64_t usage_errors = 0;       ///< rejected double frees / foreign pointers
   std::uint64_t alloc_ns = 0;           ///< time inside allocate() when timing is on
   std::uint64_t free_ns = 0;            ///< time inside deallocate() when timing is on

@@ -18,24 +18,50 @@
 //
 // One unmap() may span several adjacent mappings, each of a whole handle (as in the CUDA
 // samples' vectorAddMMAP); it must not cut a mapping in two.
+//
+// With background_unmap (the default), unmap() queues the range and a thread of the backend
+// calls cuMemUnmap (Note [Unmapping off the allocating thread], background_unmapper.h); a map
+// into a range whose unmap is still queued waits for it, and releasing physical memory or an
+// address range waits for all of them. That thread sets its stream-capture mode to relaxed, so
+// a CUDA graph captured meanwhile on another thread is not invalidated by its calls.
 #pragma once
 
+#include <cachealloc/background_unmapper.h>
 #include <cachealloc/backend.h>
+#include <cachealloc/config.h>
 #include <cachealloc/cuda/runtime_backend.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string_view>
+#include <vector>
 
 namespace cachealloc {
+
+/// Settings of backend `cuda_vmm` from CACHEALLOC_CONF.
+struct CudaVmmOptions {
+  /// background_unmap:True|False: cuMemUnmap on a thread of the backend (default True).
+  bool background_unmap = true;
+
+  /// Takes the keys below from `config`; throws ConfigError for a malformed value.
+  static CudaVmmOptions from_config(Config& config);
+};
 
 class CudaVmmBackend final : public CudaRuntimeBackend, private VirtualMemory {
  public:
   /// Loads the driver API and checks that `device` supports virtual memory management.
   /// Throws DeviceError ("CUDA driver API not available: ...") when libcuda.so.1 or a symbol is
   /// missing, or when the device lacks VMM support.
-  explicit CudaVmmBackend(int device);
+  explicit CudaVmmBackend(int device, CudaVmmOptions options = {});
   ~CudaVmmBackend() override;
+
+  /// The CACHEALLOC_CONF keys this backend takes (see CudaVmmOptions::from_config).
+  static std::vector<std::string_view> config_keys();
+  [[nodiscard]] const CudaVmmOptions& options() const noexcept { return options_; }
+  [[nodiscard]] BackgroundWork background_work() const noexcept override;
+  /// Unmaps queued for the background thread and not yet done (0 without background_unmap).
+  [[nodiscard]] std::size_t pending_unmaps() const noexcept;
 
   [[nodiscard]] std::string_view name() const noexcept override { return "cuda_vmm"; }
   [[nodiscard]] VirtualMemory* virtual_memory() noexcept override { return this; }
@@ -54,8 +80,13 @@ class CudaVmmBackend final : public CudaRuntimeBackend, private VirtualMemory {
   void do_unmap(std::uintptr_t va, std::size_t bytes) override;
   void do_map_run(std::uintptr_t va, std::span<const MapPiece> pieces) override;
 
+  /// Waits for every queued unmap (nothing when there is no background thread).
+  void drain_unmaps();
+
+  CudaVmmOptions options_;
   std::size_t granularity_ = 0;
   std::size_t minimum_granularity_ = 0;
+  std::unique_ptr<BackgroundUnmapper> unmapper_;  // with background_unmap
 };
 
 }  // namespace cachealloc

@@ -1,0 +1,99 @@
+// background_unmapper.h: unmap calls handed to a worker thread, so that the allocating thread
+// does not wait for them (used by backend `cuda_vmm`, option background_unmap).
+//
+// Note [Unmapping off the allocating thread]
+// On the H200, cuMemUnmap inside a training job costs 120-430 us per call (the e2e pipeline and
+// the held-out llm_serve of bench/validation, bench/results/e2e_h200_2026-12-04_val*.md), against
+// 40-50 us for cuMemMap + cuMemSetAccess; in the micro benchmark, with the device idle, the three
+// together cost 33 us. Policy defrag unmaps only to move pages: it unmaps a free hole and maps its
+// physical handles under a new block at once. The driver lets one physical allocation be mapped
+// at several addresses at the same time (virtual aliasing), so the map at the new address need
+// not wait for the unmap of the old one: unmap() only queues the range, and a worker thread
+// unmaps it. The allocation returns as soon as the new mapping exists.
+// What the caller must keep in mind, and this class enforces:
+//   - an address range is mapped again only after its queued unmap ran: wait_for() blocks
+//     while a queued or running unmap overlaps the range (the backend calls it before every map;
+//     it costs an atomic load when nothing is queued);
+//   - physical memory is freed by the driver only once every mapping of it is gone, so releasing
+//     a handle (cuMemRelease) or an address range first drains the queue: empty_cache and the
+//     out-of-memory path then find the memory back on the device, as with a synchronous unmap;
+//   - the precondition of unmapping is unchanged (no queued or running work uses the range;
+//     Note [Unmapping does not wait for the device], vmm_backend.h): unmapping later is safe
+//     whenever unmapping now was.
+// A failed background unmap is reported, as DeviceError, by the next call on the allocating
+// thread (post, wait_for, drain): the range it named may still be mapped.
+// The worker starts on the first post(), not in the constructor, so that a process that forks
+// after building a backend (a fork server, as bench/e2e uses) does not lose a thread it had.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+
+namespace cachealloc {
+
+class BackgroundUnmapper {
+ public:
+  /// Unmaps [va, va + bytes); returns an empty string on success, else what went wrong.
+  using UnmapFn = std::function<std::string(std::uintptr_t va, std::size_t bytes)>;
+  /// Runs once on the worker thread before its first unmap (e.g. make the device current).
+  using ThreadInit = std::function<void()>;
+
+  explicit BackgroundUnmapper(UnmapFn unmap, ThreadInit init = {});
+  /// Runs what is queued, then stops the worker.
+  ~BackgroundUnmapper();
+  BackgroundUnmapper(const BackgroundUnmapper&) = delete;
+  BackgroundUnmapper& operator=(const BackgroundUnmapper&) = delete;
+
+  /// Queues the unmap of [va, va + bytes). Throws DeviceError when an earlier one failed.
+  void post(std::uintptr_t va, std::size_t bytes);
+  /// Blocks while a queued or running unmap overlaps [va, va + bytes). Throws DeviceError when
+  /// an earlier unmap failed.
+  void wait_for(std::uintptr_t va, std::size_t bytes);
+  /// Blocks until nothing is queued or running. Throws DeviceError when an unmap failed.
+  void drain();
+
+  /// Unmaps queued or running now.
+  [[nodiscard]] std::size_t pending() const noexcept { return pending_.load(std::memory_order_acquire); }
+  /// Time the worker spent inside UnmapFn, in nanoseconds (steady clock).
+  [[nodiscard]] std::uint64_t busy_ns() const noexcept { return busy_ns_.load(std::memory_order_relaxed); }
+  /// Time callers spent blocked in wait_for() and drain(), in nanoseconds.
+  [[nodiscard]] std::uint64_t blocked_ns() const noexcept { return blocked_ns_.load(std::memory_order_relaxed); }
+  /// Unmaps the worker ran.
+  [[nodiscard]] std::uint64_t completed() const noexcept { return completed_.load(std::memory_order_relaxed); }
+
+ private:
+  struct Range {
+    std::uintptr_t va = 0;
+    std::size_t bytes = 0;
+    [[nodiscard]] bool overlaps(std::uintptr_t a, std::size_t n) const noexcept {
+      return bytes != 0 && n != 0 && a < va + bytes && va < a + n;
+    }
+  };
+  void run();
+  [[nodiscard]] bool overlapping_locked(std::uintptr_t va, std::size_t bytes) const noexcept;
+  void rethrow_locked();  // throws DeviceError once for a recorded failure
+
+  UnmapFn unmap_;
+  ThreadInit init_;
+  mutable std::mutex mutex_;
+  std::condition_variable work_;  // the worker waits for work or stop
+  std::condition_variable done_;  // callers wait for unmaps to finish
+  std::deque<Range> queue_;
+  Range running_;
+  bool stop_ = false;
+  std::string failure_;
+  std::thread thread_;
+  std::atomic<std::size_t> pending_{0};
+  std::atomic<std::uint64_t> busy_ns_{0};
+  std::atomic<std::uint64_t> blocked_ns_{0};
+  std::atomic<std::uint64_t> completed_{0};
+};
+
+}  // namespace cachealloc

@@ -1,0 +1,143 @@
+// background_unmapper.cpp: see Note [Unmapping off the allocating thread] (background_unmapper.h).
+#include <cachealloc/background_unmapper.h>
+#include <cachealloc/errors.h>
+
+#include <chrono>
+#include <utility>
+
+namespace cachealloc {
+namespace {
+
+std::uint64_t now_ns() noexcept {
+  return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                        std::chrono::steady_clock::now().time_since_epoch())
+                                        .count());
+}
+
+/// Adds the time from construction to destruction to `into`.
+class Stopwatch {
+ public:
+  explicit Stopwatch(std::atomic<std::uint64_t>& into) noexcept : into_(into), start_(now_ns()) {}
+  ~Stopwatch() { into_.fetch_add(now_ns() - start_, std::memory_order_relaxed); }
+  Stopwatch(const Stopwatch&) = delete;
+  Stopwatch& operator=(const Stopwatch&) = delete;
+
+ private:
+  std::atomic<std::uint64_t>& into_;
+  std::uint64_t start_;
+};
+
+}  // namespace
+
+BackgroundUnmapper::BackgroundUnmapper(UnmapFn unmap, ThreadInit init)
+    : unmap_(std::move(unmap)), init_(std::move(init)) {}
+
+BackgroundUnmapper::~BackgroundUnmapper() {
+  {
+    std::lock_guard lock(mutex_);
+    stop_ = true;
+  }
+  work_.notify_all();
+  if (thread_.joinable()) {
+    thread_.join();  // the worker empties the queue before it stops
+  }
+}
+
+void BackgroundUnmapper::post(std::uintptr_t va, std::size_t bytes) {
+  {
+    std::lock_guard lock(mutex_);
+    rethrow_locked();
+    if (!thread_.joinable()) {
+      thread_ = std::thread([this] { run(); });  // may throw std::system_error: nothing queued yet
+    }
+    queue_.push_back(Range{va, bytes});
+    pending_.fetch_add(1, std::memory_order_release);
+  }
+  work_.notify_one();
+}
+
+bool BackgroundUnmapper::overlapping_locked(std::uintptr_t va, std::size_t bytes) const noexcept {
+  if (running_.overlaps(va, bytes)) {
+    return true;
+  }
+  for (const Range& r : queue_) {
+    if (r.overlaps(va, bytes)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+void BackgroundUnmapper::rethrow_locked() {
+  if (!failure_.empty()) {
+    std::string what = std::move(failure_);
+    failure_.clear();
+    throw DeviceError("a background unmap failed (the range may still be mapped): " + what);
+  }
+}
+
+void BackgroundUnmapper::wait_for(std::uintptr_t va, std::size_t bytes) {
+  if (pending_.load(std::memory_order_acquire) == 0) {
+    std::lock_guard lock(mutex_);  // only to report a failure; rare, as the queue was empty
+    rethrow_locked();
+    return;
+  }
+  std::unique_lock lock(mutex_);
+  if (overlapping_locked(va, bytes)) {
+    const Stopwatch blocked(blocked_ns_);
+    done_.wait(lock, [&] { return !overlapping_locked(va, bytes); });
+  }
+  rethrow_locked();
+}
+
+void BackgroundUnmapper::drain() {
+  std::unique_lock lock(mutex_);
+  if (pending_.load(std::memory_order_acquire) != 0) {
+    const Stopwatch blocked(blocked_ns_);
+    done_.wait(lock, [&] { return pending_.load(std::memory_order_acquire) == 0; });
+  }
+  rethrow_locked();
+}
+
+void BackgroundUnmapper::run() {
+  std::string init_error;
+  if (init_) {
+    try {
+      init_();
+    } catch (const std::exception& e) {
+      init_error = std::string("setting up the unmap thread: ") + e.what();
+    }
+  }
+  std::unique_lock lock(mutex_);
+  if (!init_error.empty()) {
+    failure_ = std::move(init_error);  // the unmaps still run: the driver may not need it
+  }
+  for (;;) {
+    work_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) {
+      return;  // stop_, and nothing left to do
+    }
+    running_ = queue_.front();
+    queue_.pop_front();
+    lock.unlock();
+    std::string error;
+    {
+      const Stopwatch busy(busy_ns_);
+      try {
+        error = unmap_(running_.va, running_.bytes);
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+    }
+    lock.lock();
+    if (!error.empty() && failure_.empty()) {
+      failure_ = std::move(error);
+    }
+    running_ = Range{};
+    completed_.fetch_add(1, std::memory_order_relaxed);
+    pending_.fetch_sub(1, std::memory_order_release);
+    done_.notify_all();
+  }
+}
+
+}  // namespace cachealloc
