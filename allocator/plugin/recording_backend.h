@@ -52,6 +52,9 @@ class RecordingBackend final : public DeviceBackend, private VirtualMemory {
   [[nodiscard]] BackgroundWork background_work() const noexcept override {
     return inner_->background_work();
   }
+  [[nodiscard]] bool unmaps_after_streams() const noexcept override {
+    return inner_vm_ != nullptr && inner_vm_->unmaps_after_streams();
+  }
 
   [[nodiscard]] DeviceBackend& inner() noexcept { return *inner_; }
 
@@ -76,6 +79,7 @@ class RecordingBackend final : public DeviceBackend, private VirtualMemory {
   }
   void do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) override;
   void do_unmap(std::uintptr_t va, std::size_t bytes) override;
+  void do_unmap_after(std::uintptr_t va, std::size_t bytes, StreamId stream) override;
   void do_map_run(std::uintptr_t va, std::span<const MapPiece> pieces) override;
 
   std::unique_ptr<DeviceBackend> inner_;

@@ -121,6 +121,27 @@ void VirtualMemory::do_map_run(std::uintptr_t va, std::span<const MapPiece> piec
   }
 }
 
+void VirtualMemory::do_unmap_after(std::uintptr_t va, std::size_t bytes, StreamId stream) {
+  const EventId event = owner_->record_event(stream);
+  try {
+    owner_->synchronize_event(event);
+  } catch (...) {
+    owner_->destroy_event(event);
+    throw;
+  }
+  owner_->destroy_event(event);
+  do_unmap(va, bytes);
+}
+
+void VirtualMemory::unmap_after(std::uintptr_t va, std::size_t bytes, StreamId stream) {
+  {
+    const TimedCall timed(*owner_, owner_->counters_.unmap_ns);
+    do_unmap_after(va, bytes, stream);
+  }
+  ++owner_->counters_.unmap_calls;
+  owner_->counters_.unmapped_bytes += bytes;
+}
+
 void VirtualMemory::unmap(std::uintptr_t va, std::size_t bytes) {
   {
     const TimedCall timed(*owner_, owner_->counters_.unmap_ns);

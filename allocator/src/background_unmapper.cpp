@@ -29,8 +29,8 @@ class Stopwatch {
 
 }  // namespace
 
-BackgroundUnmapper::BackgroundUnmapper(UnmapFn unmap, ThreadInit init)
-    : unmap_(std::move(unmap)), init_(std::move(init)) {}
+BackgroundUnmapper::BackgroundUnmapper(UnmapFn unmap, ThreadInit init, WaitFn wait)
+    : unmap_(std::move(unmap)), init_(std::move(init)), wait_(std::move(wait)) {}
 
 BackgroundUnmapper::~BackgroundUnmapper() {
   {
@@ -43,14 +43,14 @@ BackgroundUnmapper::~BackgroundUnmapper() {
   }
 }
 
-void BackgroundUnmapper::post(std::uintptr_t va, std::size_t bytes) {
+void BackgroundUnmapper::post(std::uintptr_t va, std::size_t bytes, std::uint64_t after) {
   {
     std::lock_guard lock(mutex_);
     rethrow_locked();
     if (!thread_.joinable()) {
       thread_ = std::thread([this] { run(); });  // may throw std::system_error: nothing queued yet
     }
-    queue_.push_back(Range{va, bytes});
+    queue_.push_back(Range{va, bytes, after});
     pending_.fetch_add(1, std::memory_order_release);
   }
   work_.notify_one();
@@ -121,13 +121,20 @@ void BackgroundUnmapper::run() {
     queue_.pop_front();
     lock.unlock();
     std::string error;
-    {
-      const Stopwatch busy(busy_ns_);
-      try {
-        error = unmap_(running_.va, running_.bytes);
-      } catch (const std::exception& e) {
-        error = e.what();
+    try {
+      if (running_.after != 0 && wait_) {
+        error = wait_(running_.after);  // the stream's work that used the range, first
       }
+      std::string unmapped;
+      {
+        const Stopwatch busy(busy_ns_);
+        unmapped = unmap_(running_.va, running_.bytes);
+      }
+      if (error.empty()) {
+        error = std::move(unmapped);
+      }
+    } catch (const std::exception& e) {
+      error = e.what();
     }
     lock.lock();
     if (!error.empty() && failure_.empty()) {

@@ -199,6 +199,7 @@ std::uintptr_t SimBackend::reserve_address(std::size_t bytes) {
 }
 
 void SimBackend::free_address(std::uintptr_t va, std::size_t bytes) noexcept {
+  settle_unmaps(va, bytes);  // the range's deferred unmaps run first (the caller waits)
   auto it = va_reservations_.find(va);
   if (it == va_reservations_.end()) {
     return;
@@ -229,12 +230,14 @@ PhysicalHandle SimBackend::do_create_physical(std::size_t bytes) {
 }
 
 void SimBackend::do_release_physical(PhysicalHandle handle, std::size_t /*bytes*/) noexcept {
+  settle_unmaps(0, 0, /*all=*/true);  // as the CUDA backend: memory is freed once unmapped
   physical_.erase(handle);
   charge(13'600);
 }
 
 void SimBackend::do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) {
   maybe_throw(SimCall::map);
+  settle_unmaps(va, bytes);  // a deferred unmap of this range runs first (the caller waits)
   auto ph = physical_.find(handle);
   if (ph == physical_.end() || ph->second.bytes != bytes) {
     throw DeviceError("simulated device: map of an unknown handle or with a size other than the "
@@ -264,9 +267,8 @@ void SimBackend::do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle han
   charge(55'000);
 }
 
-void SimBackend::do_unmap(std::uintptr_t va, std::size_t bytes) {
-  maybe_throw(SimCall::unmap);
-  // Unmap whole mappings covering exactly [va, va+bytes).
+void SimBackend::check_unmap_range(std::uintptr_t va, std::size_t bytes) const {
+  // Whole mappings covering exactly [va, va+bytes).
   std::uintptr_t cur = va;
   const std::uintptr_t end = va + bytes;
   auto it = mappings_.find(va);
@@ -280,13 +282,97 @@ void SimBackend::do_unmap(std::uintptr_t va, std::size_t bytes) {
     cur += it->second.first;
     ++it;
   }
+}
+
+void SimBackend::remove_mappings(std::uintptr_t va, std::size_t bytes) noexcept {
+  const std::uintptr_t end = va + bytes;
   for (auto m = mappings_.find(va); m != mappings_.end() && m->first < end;) {
     if (auto ph = physical_.find(m->second.second); ph != physical_.end()) {
       --ph->second.mappings;
     }
     mapped_now_ -= m->second.first;
     m = mappings_.erase(m);
+  }
+}
+
+void SimBackend::do_unmap(std::uintptr_t va, std::size_t bytes) {
+  maybe_throw(SimCall::unmap);
+  settle_unmaps();
+  check_unmap_range(va, bytes);
+  const std::uintptr_t end = va + bytes;
+  for (auto m = mappings_.find(va); m != mappings_.end() && m->first < end; ++m) {
     charge(27'000);
+  }
+  remove_mappings(va, bytes);
+}
+
+void SimBackend::do_unmap_after(std::uintptr_t va, std::size_t bytes, StreamId stream) {
+  if (!options_.unmap_after_streams) {
+    VirtualMemory::do_unmap_after(va, bytes, stream);
+    return;
+  }
+  maybe_throw(SimCall::unmap);
+  settle_unmaps();
+  check_unmap_range(va, bytes);
+  for (const DeferredUnmap& d : deferred_unmaps_) {
+    if (d.va < va + bytes && va < d.va + d.bytes) {
+      throw DeviceError("simulated device: unmap_after of a range already being unmapped");
+    }
+  }
+  // An event of the simulator's own, not counted as a call: where the stream's work stands now.
+  const std::uint64_t seq = ++stream_recorded_[stream];
+  const EventId id = next_event_++;
+  Event ev{stream, seq, false};
+  if (options_.auto_complete_events && !held_.contains(stream)) {
+    if (options_.event_lag_ns == 0) {
+      stream_completed_upto_[stream] = seq;
+    } else {
+      ev.ready_ns = clock_ns_ + options_.event_lag_ns;
+    }
+  }
+  events_.emplace(id, ev);
+  // The caller pays for the unmap as for unmap() (Note [Simulated time]): the simulator models
+  // every unmap as the allocating thread's cost, whichever thread makes it on a GPU.
+  const std::uintptr_t end = va + bytes;
+  for (auto m = mappings_.find(va); m != mappings_.end() && m->first < end; ++m) {
+    charge(27'000);
+  }
+  if (event_done(id)) {
+    events_.erase(id);
+    remove_mappings(va, bytes);
+    return;
+  }
+  deferred_unmaps_.push_back(DeferredUnmap{va, bytes, id});
+}
+
+bool SimBackend::event_done(EventId id) const {
+  const Event& e = events_.at(id);
+  auto done = stream_completed_upto_.find(e.stream);
+  return e.done || (done != stream_completed_upto_.end() && e.sequence <= done->second) ||
+         (e.ready_ns != 0 && clock_ns_ >= e.ready_ns);
+}
+
+void SimBackend::settle_unmaps(std::uintptr_t va, std::size_t bytes, bool all) {
+  for (std::size_t i = 0; i < deferred_unmaps_.size();) {
+    const DeferredUnmap d = deferred_unmaps_[i];
+    const bool needed = all || (bytes != 0 && d.va < va + bytes && va < d.va + d.bytes);
+    if (!event_done(d.event)) {
+      if (!needed) {
+        ++i;
+        continue;
+      }
+      // The caller waits for the stream, as the CUDA backend's map does (Note [Simulated time]).
+      Event& e = events_.at(d.event);
+      if (e.ready_ns > clock_ns_) {
+        charged_ns_ += e.ready_ns - clock_ns_;
+        clock_ns_ = e.ready_ns;
+      }
+      std::uint64_t& upto = stream_completed_upto_[e.stream];
+      upto = std::max(upto, e.sequence);
+    }
+    events_.erase(d.event);
+    remove_mappings(d.va, d.bytes);
+    deferred_unmaps_.erase(deferred_unmaps_.begin() + static_cast<std::ptrdiff_t>(i));
   }
 }
 
@@ -383,12 +469,14 @@ std::uint64_t SimBackend::stream_completed(StreamId stream) const {
 
 void SimBackend::complete_stream(StreamId stream) {
   stream_completed_upto_[stream] = stream_recorded_[stream];
+  settle_unmaps();
 }
 
 void SimBackend::complete_all() {
   for (auto& [stream, seq] : stream_recorded_) {
     stream_completed_upto_[stream] = seq;
   }
+  settle_unmaps();
 }
 
 void SimBackend::tick() {
@@ -397,6 +485,7 @@ void SimBackend::tick() {
       stream_completed_upto_[stream] = seq;
     }
   }
+  settle_unmaps();
 }
 
 void SimBackend::hold_stream(StreamId stream) { held_.insert(stream); }
@@ -408,6 +497,7 @@ void SimBackend::release_stream(StreamId stream) {
       ev.done = true;
     }
   }
+  settle_unmaps();  // before the stream's sequence numbers are forgotten
   stream_recorded_.erase(stream);
   stream_completed_upto_.erase(stream);
 }

@@ -128,4 +128,13 @@ void CaptureGuardBackend::do_unmap(std::uintptr_t va, std::size_t bytes) {
   inner_vm_->unmap(va, bytes);
 }
 
+void CaptureGuardBackend::do_unmap_after(std::uintptr_t va, std::size_t bytes, StreamId stream) {
+  if (capturing()) {
+    VirtualMemory::do_unmap_after(va, bytes, stream);  // waits: throws, as synchronize_event does
+    return;
+  }
+  settle();
+  inner_vm_->unmap_after(va, bytes, stream);
+}
+
 }  // namespace cachealloc::torch_adapter

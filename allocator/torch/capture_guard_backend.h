@@ -73,6 +73,11 @@ class CaptureGuardBackend final : public DeviceBackend, private VirtualMemory {
   [[nodiscard]] BackgroundWork background_work() const noexcept override {
     return inner_->background_work();
   }
+  /// Not while a capture is underway: an event recorded on a capturing stream is a graph node,
+  /// nothing the unmap thread could wait for (Note [Deferred events during capture]).
+  [[nodiscard]] bool unmaps_after_streams() const noexcept override {
+    return !capturing() && inner_vm_ != nullptr && inner_vm_->unmaps_after_streams();
+  }
 
   /// Device frees waiting for the end of a capture (for tests and statistics).
   [[nodiscard]] std::size_t deferred_releases() const noexcept { return deferred_releases_.size(); }
@@ -108,6 +113,7 @@ class CaptureGuardBackend final : public DeviceBackend, private VirtualMemory {
   void do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) override;
   void do_map_run(std::uintptr_t va, std::span<const MapPiece> pieces) override;
   void do_unmap(std::uintptr_t va, std::size_t bytes) override;
+  void do_unmap_after(std::uintptr_t va, std::size_t bytes, StreamId stream) override;
 
   /// Relaxed capture mode for the guard's lifetime while a capture is underway.
   class Relaxed {

@@ -735,7 +735,7 @@ void DefragEngine::make_live(Node* n) noexcept {
 
 std::vector<std::string_view> DefragPolicy::config_keys() {
   return {"va_reserve_gb", "grow_slack", "max_grow_slack", "move_budget", "small_size",
-          "wait_for_streams", "max_chunk_mb", "keep_small_mb"};
+          "wait_for_streams", "move_pending", "max_chunk_mb", "keep_small_mb"};
 }
 
 DefragSettings DefragPolicy::parse_settings(Config& config) {
@@ -762,6 +762,9 @@ DefragSettings DefragPolicy::parse_settings(Config& config) {
   }
   if (auto wait = config.take_bool("wait_for_streams")) {
     s.wait_for_streams = *wait;
+  }
+  if (auto pending = config.take_bool("move_pending")) {
+    s.move_pending = *pending;
   }
   if (auto mb = config.take_double("max_chunk_mb", 0.5, 1 << 20)) {
     s.max_chunk_bytes = static_cast<std::size_t>(*mb * static_cast<double>(kMiB));
@@ -799,6 +802,7 @@ std::vector<std::pair<std::string, std::int64_t>> DefragPolicy::stat_counters() 
   const auto v = [](std::uint64_t x) { return static_cast<std::int64_t>(x); };
   return {{"defrag.pages_created", v(c.pages_created)},   {"defrag.chunks_created", v(c.chunks_created)},
           {"defrag.pages_moved", v(c.pages_moved)},       {"defrag.chunks_moved", v(c.chunks_moved)},
+          {"defrag.pages_moved_pending", v(c.pages_moved_pending)},
           {"defrag.unmap_batches", v(c.unmap_batches)},   {"defrag.grow_allocations", v(c.grow_allocations)},
           {"defrag.stream_waits", v(c.stream_waits)},     {"defrag.wait_ns", v(c.wait_ns)},
           {"defrag.move_ns", v(c.move_ns)},               {"defrag.slack_raises", v(c.slack_raises)},

@@ -289,13 +289,19 @@ class alignas(64) DefragEngine {
   /// would bring the pages gathered beyond `room`, and none from the other kind's ranges unless
   /// `other_kinds`.
   std::size_t steal(std::size_t want, std::size_t room, const Node* hole, bool other_kinds);
+  /// Note [Moving pages a stream still uses] (background_unmapper.h): as steal(), from stream
+  /// class `cls`'s own holes that are not safe yet, unmapped once that stream's queued work is
+  /// done (VirtualMemory::unmap_after), without waiting for it.
+  std::size_t steal_pending(std::size_t want, std::size_t room, const Node* hole, std::uint32_t cls);
   /// The oldest epoch after whose completion on stream class `cls` `count` more whole free
   /// pages of that stream (outside the hole's neighbours) could move; 0 when none could.
   [[nodiscard]] std::uint64_t epoch_for_pages(std::size_t count, const Node* hole,
                                               std::uint32_t cls) const;
   /// Unmaps the chunks lying wholly at the top of mapped hole `n`, from the top down, into
   /// scratch_ while fewer than `want` pages were taken and the next chunk fits in `room`.
-  std::size_t take_pages(Node* n, std::size_t want, std::size_t room);
+  /// With `after_stream`, unmaps once that stream's queued work is done (unmap_after).
+  std::size_t take_pages(Node* n, std::size_t want, std::size_t room,
+                         const StreamId* after_stream = nullptr);
   [[nodiscard]] std::size_t scratch_pages() const noexcept;
   void release_scratch() noexcept;
   /// Turns [hole.addr, end) of an unmapped hole into a fresh mapped hole (merged with usable

@@ -15,7 +15,10 @@
 //      but not from the other kind's range when this range lent it pages below the peak: then
 //      new pages beyond the slack (Note [Pages that come back]);
 //   4. after waiting for the allocating stream's oldest epochs that free enough of its own recent
-//      holes (wait_for_streams; never another stream's), those pages;
+//      holes (wait_for_streams; never another stream's), those pages; with move_pending, where
+//      the backend unmaps after a stream, those pages at once, their old addresses unmapped
+//      when the stream's work is done (Note [Moving pages a stream still uses],
+//      background_unmapper.h);
 //   5. new physical pages, or nothing (the front end's retry chain takes over).
 // Only pages entirely inside a free hole move; a page shared with a live block stays. So
 // physical memory grows beyond the slack only while every page held carries live bytes or
@@ -244,12 +247,18 @@ bool DefragEngine::gather_pages(std::size_t count, std::size_t room, std::size_t
       }
     }
     if (scratch_pages() < count && settings_.wait_for_streams) {
-      // Wait for the allocating stream only (never block on another stream's work), and only
-      // for the oldest epochs that free enough pages.
-      const std::uint64_t epoch = epoch_for_pages(count - scratch_pages(), hole, cls);
-      if (epoch != 0) {
-        wait_until(cls, epoch);
-        steal(count - scratch_pages(), room, hole, /*other_kinds=*/true);
+      if (settings_.move_pending && vm_.unmaps_after_streams()) {
+        // Note [Moving pages a stream still uses]: the allocating stream's own recent holes,
+        // unmapped once its work is done; nobody waits.
+        steal_pending(count - scratch_pages(), room, hole, cls);
+      } else {
+        // Wait for the allocating stream only (never block on another stream's work), and only
+        // for the oldest epochs that free enough pages.
+        const std::uint64_t epoch = epoch_for_pages(count - scratch_pages(), hole, cls);
+        if (epoch != 0) {
+          wait_until(cls, epoch);
+          steal(count - scratch_pages(), room, hole, /*other_kinds=*/true);
+        }
       }
     }
     if (scratch_pages() < count) {
@@ -381,6 +390,33 @@ std::size_t DefragEngine::steal(std::size_t want, std::size_t room, const Node* 
       }
       taken += k;
       counters_.pages_moved += k;
+    }
+    n = next;
+  }
+  if (taken > 0) {
+    note_move();
+  }
+  return taken;
+}
+
+std::size_t DefragEngine::steal_pending(std::size_t want, std::size_t room, const Node* hole,
+                                        std::uint32_t cls) {
+  // Own holes only: a block for this stream may reuse memory the stream's queued work still
+  // touches (the stream runs the new work after the old); another stream may not.
+  const StreamId stream = streams_[cls].id;
+  std::size_t taken = 0;
+  const std::size_t have = scratch_pages();
+  for (Node* n = age_head_; n != nullptr && taken < want;) {
+    Node* next = n->age_next;
+    if (n != hole->prev && n != hole->next && n->cls == cls && !safe(n)) {
+      const std::size_t k = take_pages(n, want - taken, room - have - taken, &stream);
+      if (k > 0 && n->arena->kind != hole->arena->kind) {
+        lender_ = n->arena->kind;  // Note [Pages that come back]
+        lent_below_peak_ = growing_below_peak_;
+      }
+      taken += k;
+      counters_.pages_moved += k;
+      counters_.pages_moved_pending += k;
     }
     n = next;
   }
@@ -576,7 +612,8 @@ void DefragEngine::lower_slack_if_quiet(std::uint64_t now_ns) noexcept {
   }
 }
 
-std::size_t DefragEngine::take_pages(Node* n, std::size_t want, std::size_t room) {
+std::size_t DefragEngine::take_pages(Node* n, std::size_t want, std::size_t room,
+                                     const StreamId* after_stream) {
   // Note [Chunks]: whole chunks only. The pages taken are one run [cut, hi) at the top of the
   // hole's whole pages, below the chunks at the top that cannot move (one going on into the
   // partly used page above, or one larger than `room`), which stay mapped with that page.
@@ -619,7 +656,7 @@ std::size_t DefragEngine::take_pages(Node* n, std::size_t want, std::size_t room
   if (k == 0) {
     return 0;
   }
-  if (!safe(n)) {
+  if (!safe(n) && after_stream == nullptr) {
     ++unsafe_unmaps_;  // never: callers check; check_invariants() reports it
   }
   const std::uintptr_t old_end = n->end();
@@ -649,7 +686,11 @@ std::size_t DefragEngine::take_pages(Node* n, std::size_t want, std::size_t room
       index_put(mid);
     }
     scratch_.reserve(scratch_.size() + chunks);
-    vm_.unmap(cut, k * page_);
+    if (after_stream != nullptr) {
+      vm_.unmap_after(cut, k * page_, *after_stream);  // Note [Moving pages a stream still uses]
+    } else {
+      vm_.unmap(cut, k * page_);
+    }
   } catch (...) {
     for (Node* x : {right, mid}) {
       if (x != nullptr) {

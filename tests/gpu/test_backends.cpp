@@ -308,6 +308,41 @@ TEST_CASE("cuda_vmm: background unmap (aliasing while the old mapping goes, wait
     vm->free_address(va2, 4 * g);
     CHECK(backend.held_bytes() == 0);
   }
+  {
+    // Note [Moving pages a stream still uses]: unmap_after() right behind queued work that still
+    // reads the range; the handle is mapped elsewhere at once and used in the stream's order.
+    CudaVmmBackend backend(test_device());
+    REQUIRE(backend.unmaps_after_streams());
+    VirtualMemory* vm = backend.virtual_memory();
+    const std::size_t g = vm->granularity();
+    const std::size_t bytes = 64 * g;  // 128 MiB on the H200: the queued kernels take a while
+    TestStream s;
+    DeviceCounter mismatches;
+    const std::uintptr_t va = vm->reserve_address(bytes);
+    const std::uintptr_t va2 = vm->reserve_address(bytes);
+    const PhysicalHandle h = vm->create_physical(bytes);
+    REQUIRE(h != 0);
+    vm->map(va, bytes, h);
+    for (int round = 0; round < 20; ++round) {
+      const std::uintptr_t from = round % 2 == 0 ? va : va2;
+      const std::uintptr_t to = round % 2 == 0 ? va2 : va;
+      GPU_REQUIRE_OK(launch_fill(reinterpret_cast<void*>(from), bytes, 20 + round, kSeed, s.get()));
+      GPU_REQUIRE_OK(launch_verify(reinterpret_cast<void*>(from), bytes, 20 + round, kSeed,
+                                   mismatches.get(), s.get()));
+      vm->unmap_after(from, bytes, s.id());  // the two kernels above still use `from`
+      vm->map(to, bytes, h);                 // at once: no wait for the stream
+      GPU_REQUIRE_OK(launch_verify(reinterpret_cast<void*>(to), bytes, 20 + round, kSeed,
+                                   mismatches.get(), s.get()));
+    }
+    GPU_REQUIRE_OK(cudaStreamSynchronize(s.get()));
+    CHECK(mismatches.read() == 0);
+    vm->unmap(va, bytes);  // round 19 mapped it at va
+    vm->release_physical(h, bytes);
+    CHECK(backend.pending_unmaps() == 0);
+    CHECK(backend.background_work().unmaps == 21);
+    vm->free_address(va, bytes);
+    vm->free_address(va2, bytes);
+  }
   Config config = Config::parse("background_unmap:False");
   auto made = make_cuda_backend("virtual_memory", test_device(), config);
   CHECK_FALSE(dynamic_cast<CudaVmmBackend&>(*made).options().background_unmap);

@@ -86,6 +86,16 @@ CudaVmmBackend::CudaVmmBackend(int device, CudaVmmOptions options)
           // captures in the default global mode (capture_guard_backend.h).
           cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
           CACHEALLOC_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+        },
+        [this](std::uint64_t after) -> std::string {
+          // Note [Moving pages a stream still uses]: the stream's work that used the range.
+          auto* event = reinterpret_cast<cudaEvent_t>(static_cast<std::uintptr_t>(after));
+          const cudaError_t status = cudaEventSynchronize(event);
+          give_event(event);
+          return status == cudaSuccess ? std::string()
+                                       : std::string("cudaEventSynchronize before cuMemUnmap: ") +
+                                             cudaGetErrorName(status) + " (" +
+                                             cudaGetErrorString(status) + ")";
         });
   }
 }
@@ -97,6 +107,52 @@ CudaVmmBackend::~CudaVmmBackend() {
     cuda_detail::warn_exception(__func__, e);
   }
   unmapper_.reset();  // joins the thread while the driver state it uses is still there
+  for (cudaEvent_t e : idle_events_) {
+    CACHEALLOC_CUDA_WARN(cudaEventDestroy(e));
+  }
+}
+
+cudaEvent_t CudaVmmBackend::take_event() {
+  {
+    std::lock_guard lock(events_mutex_);
+    if (!idle_events_.empty()) {
+      cudaEvent_t e = idle_events_.back();
+      idle_events_.pop_back();
+      return e;
+    }
+  }
+  cudaEvent_t e = nullptr;
+  CACHEALLOC_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  return e;
+}
+
+void CudaVmmBackend::give_event(cudaEvent_t event) noexcept {
+  try {
+    std::lock_guard lock(events_mutex_);
+    idle_events_.push_back(event);
+  } catch (...) {
+    CACHEALLOC_CUDA_WARN(cudaEventDestroy(event));
+  }
+}
+
+void CudaVmmBackend::do_unmap_after(std::uintptr_t va, std::size_t bytes, StreamId stream) {
+  if (unmapper_ == nullptr) {
+    VirtualMemory::do_unmap_after(va, bytes, stream);
+    return;
+  }
+  CudaDeviceGuard guard(device(), /*force=*/true);
+  cudaEvent_t event = take_event();
+  const cudaError_t status = cudaEventRecord(event, to_cuda_stream(stream));
+  if (status != cudaSuccess) {
+    give_event(event);
+    CACHEALLOC_CUDA_CHECK(status);
+  }
+  try {
+    unmapper_->post(va, bytes, static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(event)));
+  } catch (...) {
+    give_event(event);
+    throw;
+  }
 }
 
 BackgroundWork CudaVmmBackend::background_work() const noexcept {

@@ -98,6 +98,14 @@ class VirtualMemory {
   /// run in one call (cuMemSetAccess costs about as much for 1 GiB as for one page).
   void map_run(std::uintptr_t va, std::span<const MapPiece> pieces);
   void unmap(std::uintptr_t va, std::size_t bytes);
+  /// Unmaps [va, va + bytes) once the work queued on `stream` so far has finished (Note
+  /// [Moving pages a stream still uses], background_unmapper.h). Its physical handles may be
+  /// mapped at another address at once, for blocks used in `stream`'s order; a later map into
+  /// this range waits until the unmap ran. Where unmaps_after_streams() is false this waits for
+  /// the stream here (an event recorded and synchronised), then unmaps.
+  void unmap_after(std::uintptr_t va, std::size_t bytes, StreamId stream);
+  /// Whether unmap_after() returns without waiting for the stream.
+  [[nodiscard]] virtual bool unmaps_after_streams() const noexcept { return false; }
 
   [[nodiscard]] std::size_t physical_bytes() const noexcept { return physical_bytes_; }
 
@@ -110,6 +118,8 @@ class VirtualMemory {
   virtual void do_unmap(std::uintptr_t va, std::size_t bytes) = 0;
   /// Default: do_map piece by piece, undoing the pieces mapped when one fails.
   virtual void do_map_run(std::uintptr_t va, std::span<const MapPiece> pieces);
+  /// Default: waits for `stream` (an event of the owning backend), then do_unmap.
+  virtual void do_unmap_after(std::uintptr_t va, std::size_t bytes, StreamId stream);
 
  private:
   class DeviceBackend* owner_ = nullptr;

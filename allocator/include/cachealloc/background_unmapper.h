@@ -22,6 +22,19 @@
 //     whenever unmapping now was.
 // A failed background unmap is reported, as DeviceError, by the next call on the allocating
 // thread (post, wait_for, drain): the range it named may still be mapped.
+//
+// Note [Moving pages a stream still uses]
+// Policy defrag moves only pages of safe holes: holes whose streams finished the work queued
+// before their free. When it lacks pages, it used to wait (synchronize an event) for the
+// allocating stream's oldest work that would make enough of that stream's own recent holes safe;
+// on the H200 the held-out llm_serve (bench/validation) spent 42 ms of its 60 ms per step in the
+// allocator so (bench/results/e2e_h200_2026-12-04_s17b.md). Yet a block for stream S may reuse
+// memory that S's queued work still touches, as every caching allocator reuses S's own frees at
+// once: S runs the new work after the old. Only the unmap must wait, since the old work reaches
+// the memory through the old address. So the caller maps the pages at their new address now and
+// queues the old range with a tag (post's `after`: for the CUDA backend an event recorded on S
+// then); the worker first waits for the tag (WaitFn: cudaEventSynchronize), then unmaps. The
+// allocating thread waits for the stream only when it maps into a range still queued, as above.
 // The worker starts on the first post(), not in the constructor, so that a process that forks
 // after building a backend (a fork server, as bench/e2e uses) does not lose a thread it had.
 #pragma once
@@ -44,15 +57,18 @@ class BackgroundUnmapper {
   using UnmapFn = std::function<std::string(std::uintptr_t va, std::size_t bytes)>;
   /// Runs once on the worker thread before its first unmap (e.g. make the device current).
   using ThreadInit = std::function<void()>;
+  /// Waits, on the worker, for what post()'s `after` names (non-zero); empty on success.
+  using WaitFn = std::function<std::string(std::uint64_t after)>;
 
-  explicit BackgroundUnmapper(UnmapFn unmap, ThreadInit init = {});
+  explicit BackgroundUnmapper(UnmapFn unmap, ThreadInit init = {}, WaitFn wait = {});
   /// Runs what is queued, then stops the worker.
   ~BackgroundUnmapper();
   BackgroundUnmapper(const BackgroundUnmapper&) = delete;
   BackgroundUnmapper& operator=(const BackgroundUnmapper&) = delete;
 
-  /// Queues the unmap of [va, va + bytes). Throws DeviceError when an earlier one failed.
-  void post(std::uintptr_t va, std::size_t bytes);
+  /// Queues the unmap of [va, va + bytes), to run after WaitFn(after) when `after` is non-zero
+  /// (Note [Moving pages a stream still uses]). Throws DeviceError when an earlier one failed.
+  void post(std::uintptr_t va, std::size_t bytes, std::uint64_t after = 0);
   /// Blocks while a queued or running unmap overlaps [va, va + bytes). Throws DeviceError when
   /// an earlier unmap failed.
   void wait_for(std::uintptr_t va, std::size_t bytes);
@@ -72,6 +88,7 @@ class BackgroundUnmapper {
   struct Range {
     std::uintptr_t va = 0;
     std::size_t bytes = 0;
+    std::uint64_t after = 0;
     [[nodiscard]] bool overlaps(std::uintptr_t a, std::size_t n) const noexcept {
       return bytes != 0 && n != 0 && a < va + bytes && va < a + n;
     }
@@ -82,6 +99,7 @@ class BackgroundUnmapper {
 
   UnmapFn unmap_;
   ThreadInit init_;
+  WaitFn wait_;
   mutable std::mutex mutex_;
   std::condition_variable work_;  // the worker waits for work or stop
   std::condition_variable done_;  // callers wait for unmaps to finish

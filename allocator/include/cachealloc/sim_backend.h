@@ -77,6 +77,12 @@ struct SimOptions {
   /// recorded instead of at once, as a GPU finishes work some time after the host queued it
   /// (Note [Simulated events]).
   std::uint64_t event_lag_ns = 0;
+  /// unmap_after() keeps the mapping until the work the stream had queued completes, without
+  /// waiting (as backend cuda_vmm with background_unmap: Note [Moving pages a stream still
+  /// uses], background_unmapper.h); a map into the range, releasing physical memory or an
+  /// address range first waits for it (the clock moves as for synchronize_event). False: the
+  /// waiting default of VirtualMemory.
+  bool unmap_after_streams = true;
 };
 
 class SimBackend final : public DeviceBackend, private VirtualMemory {
@@ -142,6 +148,19 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
   [[nodiscard]] std::size_t mapped_bytes_now() const noexcept { return mapped_now_; }
   /// True when [va, va+bytes) lies fully inside mapped pages.
   [[nodiscard]] bool is_mapped(std::uintptr_t va, std::size_t bytes) const;
+  /// unmap_after() ranges still mapped because their stream's work has not completed (their
+  /// bytes are in mapped_bytes_now()).
+  [[nodiscard]] std::size_t pending_unmaps() const noexcept { return deferred_unmaps_.size(); }
+  [[nodiscard]] std::size_t pending_unmap_bytes() const noexcept {
+    std::size_t n = 0;
+    for (const DeferredUnmap& d : deferred_unmaps_) {
+      n += d.bytes;
+    }
+    return n;
+  }
+  [[nodiscard]] bool unmaps_after_streams() const noexcept override {
+    return options_.unmap_after_streams;
+  }
 
  private:
   friend class SimStreamPool;  // marks free positions in stream order, reads events
@@ -156,6 +175,15 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
   void do_release_physical(PhysicalHandle handle, std::size_t bytes) noexcept override;
   void do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) override;
   void do_unmap(std::uintptr_t va, std::size_t bytes) override;
+  void do_unmap_after(std::uintptr_t va, std::size_t bytes, StreamId stream) override;
+  /// Throws DeviceError unless [va, va+bytes) covers whole mappings exactly.
+  void check_unmap_range(std::uintptr_t va, std::size_t bytes) const;
+  /// Removes the mappings of [va, va+bytes) (checked) without charging for them.
+  void remove_mappings(std::uintptr_t va, std::size_t bytes) noexcept;
+  /// Runs the deferred unmaps whose events completed, and (waiting for their events, as
+  /// synchronize_event does) those overlapping [va, va+bytes) (`all`: every one).
+  void settle_unmaps(std::uintptr_t va = 0, std::size_t bytes = 0, bool all = false);
+  [[nodiscard]] bool event_done(EventId id) const;
 
   /// Counts a call; returns the fault to inject, if any.
   std::optional<SimFault> count_call(SimCall kind);
@@ -194,6 +222,12 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
   PhysicalHandle next_handle_ = 1;
   std::map<std::uintptr_t, std::pair<std::size_t, PhysicalHandle>> mappings_;  // va -> (bytes, handle)
   std::size_t mapped_now_ = 0;
+  struct DeferredUnmap {
+    std::uintptr_t va;
+    std::size_t bytes;
+    EventId event;
+  };
+  std::vector<DeferredUnmap> deferred_unmaps_;  // unmap_after(), oldest first
   // events
   std::unordered_map<EventId, Event> events_;
   std::unordered_map<StreamId, std::uint64_t> stream_completed_upto_;  // completed sequence per stream

@@ -41,6 +41,10 @@
 //                     never on time)
 //   wait_for_streams  before creating physical memory beyond the slack, wait for the allocating
 //                     stream's events so that pages it freed recently can move (default True)
+//   move_pending      instead of that wait, move those pages at once and unmap their old
+//                     addresses once the stream's queued work is done, where the backend can
+//                     (cuda_vmm with background_unmap, the simulated device) (default False;
+//                     Note [Moving pages a stream still uses], background_unmapper.h)
 //   max_chunk_mb      the largest physical handle created, in MiB (default 1024; rounded down
 //                     to whole pages; the page size, 2 on the H200, gives one handle per page:
 //                     every page can move alone, but each costs its own cuMemCreate and cuMemMap)
@@ -85,7 +89,9 @@
 // completions are polled at the same points. The policy waits
 // (synchronize_event) only for the stream it allocates for, as PyTorch's expandable segments
 // wait before unmapping; it never blocks on another stream's work, except in release_cached()
-// (empty_cache and the out-of-memory retry), which waits for every stream.
+// (empty_cache and the out-of-memory retry), which waits for every stream. With move_pending it
+// need not wait for its own stream either: the pages move at once and their old addresses are
+// unmapped after the stream's work (Note [Moving pages a stream still uses]).
 //
 // Stats: the backend counts map/unmap calls and bytes (Stats::num_maps, bytes_mapped, ...);
 // DefragPolicy::counters() adds pages created, moved and released, and the stream waits.
@@ -118,6 +124,7 @@ struct DefragSettings {
   /// 0 = small requests share the large range (Note [Which requests are small])
   std::size_t small_size = 1 * kMiB;
   bool wait_for_streams = true;
+  bool move_pending = false;  ///< Note [Moving pages a stream still uses]
   std::size_t max_chunk_bytes = 1 * kGiB;  ///< largest physical handle; one page = per-page handles
   std::size_t keep_small_bytes = 0;  ///< freed small blocks kept for reuse at their size (0: none)
 };
@@ -132,6 +139,9 @@ struct DefragCounters {
   std::uint64_t pages_released = 0;  ///< pages given back (release_cached, failed growth)
   std::uint64_t pages_mapped = 0;    ///< pages mapped under new blocks
   std::uint64_t pages_moved = 0;     ///< pages unmapped from a free hole to be mapped elsewhere
+  /// Of which from the allocating stream's own holes its queued work may still use, unmapped
+  /// after that work (Note [Moving pages a stream still uses], background_unmapper.h).
+  std::uint64_t pages_moved_pending = 0;
   std::uint64_t unmap_batches = 0;   ///< unmap() calls (each covers consecutive pages)
   std::uint64_t grow_allocations = 0;  ///< allocations that needed pages mapped
   std::uint64_t events_recorded = 0;   ///< epoch-closing events (one per stream per epoch)

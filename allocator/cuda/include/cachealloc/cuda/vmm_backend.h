@@ -31,9 +31,12 @@
 #include <cachealloc/config.h>
 #include <cachealloc/cuda/runtime_backend.h>
 
+#include <cuda_runtime_api.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string_view>
 #include <vector>
 
@@ -62,6 +65,9 @@ class CudaVmmBackend final : public CudaRuntimeBackend, private VirtualMemory {
   [[nodiscard]] BackgroundWork background_work() const noexcept override;
   /// Unmaps queued for the background thread and not yet done (0 without background_unmap).
   [[nodiscard]] std::size_t pending_unmaps() const noexcept;
+  /// With background_unmap: unmap_after() queues the range behind an event recorded on the
+  /// stream (Note [Moving pages a stream still uses], background_unmapper.h).
+  [[nodiscard]] bool unmaps_after_streams() const noexcept override { return unmapper_ != nullptr; }
 
   [[nodiscard]] std::string_view name() const noexcept override { return "cuda_vmm"; }
   [[nodiscard]] VirtualMemory* virtual_memory() noexcept override { return this; }
@@ -79,13 +85,20 @@ class CudaVmmBackend final : public CudaRuntimeBackend, private VirtualMemory {
   void do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) override;
   void do_unmap(std::uintptr_t va, std::size_t bytes) override;
   void do_map_run(std::uintptr_t va, std::span<const MapPiece> pieces) override;
+  void do_unmap_after(std::uintptr_t va, std::size_t bytes, StreamId stream) override;
 
   /// Waits for every queued unmap (nothing when there is no background thread).
   void drain_unmaps();
+  /// Events for unmap_after(), recorded here and waited for (then given back) on the unmap
+  /// thread: a free list under its own lock.
+  [[nodiscard]] cudaEvent_t take_event();
+  void give_event(cudaEvent_t event) noexcept;
 
   CudaVmmOptions options_;
   std::size_t granularity_ = 0;
   std::size_t minimum_granularity_ = 0;
+  std::mutex events_mutex_;
+  std::vector<cudaEvent_t> idle_events_;          // declared before unmapper_: outlives it
   std::unique_ptr<BackgroundUnmapper> unmapper_;  // with background_unmap
 };
 
