@@ -299,11 +299,15 @@ void SimBackend::do_unmap(std::uintptr_t va, std::size_t bytes) {
   maybe_throw(SimCall::unmap);
   settle_unmaps();
   check_unmap_range(va, bytes);
+  charge_unmap(va, bytes);
+  remove_mappings(va, bytes);
+}
+
+void SimBackend::charge_unmap(std::uintptr_t va, std::size_t bytes) noexcept {
   const std::uintptr_t end = va + bytes;
   for (auto m = mappings_.find(va); m != mappings_.end() && m->first < end; ++m) {
-    charge(27'000);
+    charge(27'000);  // per mapping removed (Note [Simulated time])
   }
-  remove_mappings(va, bytes);
 }
 
 void SimBackend::do_unmap_after(std::uintptr_t va, std::size_t bytes, StreamId stream) {
@@ -320,23 +324,10 @@ void SimBackend::do_unmap_after(std::uintptr_t va, std::size_t bytes, StreamId s
     }
   }
   // An event of the simulator's own, not counted as a call: where the stream's work stands now.
-  const std::uint64_t seq = ++stream_recorded_[stream];
-  const EventId id = next_event_++;
-  Event ev{stream, seq, false};
-  if (options_.auto_complete_events && !held_.contains(stream)) {
-    if (options_.event_lag_ns == 0) {
-      stream_completed_upto_[stream] = seq;
-    } else {
-      ev.ready_ns = clock_ns_ + options_.event_lag_ns;
-    }
-  }
-  events_.emplace(id, ev);
+  const EventId id = new_event(stream);
   // The caller pays for the unmap as for unmap() (Note [Simulated time]): the simulator models
   // every unmap as the allocating thread's cost, whichever thread makes it on a GPU.
-  const std::uintptr_t end = va + bytes;
-  for (auto m = mappings_.find(va); m != mappings_.end() && m->first < end; ++m) {
-    charge(27'000);
-  }
+  charge_unmap(va, bytes);
   if (event_done(id)) {
     events_.erase(id);
     remove_mappings(va, bytes);
@@ -397,6 +388,10 @@ bool SimBackend::is_mapped(std::uintptr_t va, std::size_t bytes) const {
 EventId SimBackend::record_event(StreamId stream) {
   maybe_throw(SimCall::record_event);
   ++mutable_counters().events_recorded;
+  return new_event(stream);
+}
+
+EventId SimBackend::new_event(StreamId stream) {
   const std::uint64_t seq = ++stream_recorded_[stream];
   const EventId id = next_event_++;
   Event ev{stream, seq, false};
@@ -418,8 +413,7 @@ bool SimBackend::query_event(EventId event) {
   if (it == events_.end()) {
     throw DeviceError("simulated device: query of an unknown event " + std::to_string(event));
   }
-  return it->second.done || it->second.sequence <= stream_completed_upto_[it->second.stream] ||
-         (it->second.ready_ns != 0 && clock_ns_ >= it->second.ready_ns);
+  return event_done(event);
 }
 
 std::size_t SimBackend::pending_events() const {

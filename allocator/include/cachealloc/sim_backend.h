@@ -184,6 +184,10 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
   /// synchronize_event does) those overlapping [va, va+bytes) (`all`: every one).
   void settle_unmaps(std::uintptr_t va = 0, std::size_t bytes = 0, bool all = false);
   [[nodiscard]] bool event_done(EventId id) const;
+  /// Records an event on `stream` (auto-completed as options say); not counted, never fails.
+  EventId new_event(StreamId stream);
+  /// Charges the modelled cost of unmapping the mappings in [va, va+bytes).
+  void charge_unmap(std::uintptr_t va, std::size_t bytes) noexcept;
 
   /// Counts a call; returns the fault to inject, if any.
   std::optional<SimFault> count_call(SimCall kind);
