@@ -114,7 +114,10 @@ s2 = stats()
 assert s2['alloc_calls'] > s1['alloc_calls'] + 20, (s1, s2)
 assert s2['free_calls'] >= 40, s2
 assert s2['free_ns'] > 0 and s2['allocator_ns'] == s2['alloc_ns'] + s2['free_ns'], s2
-assert cachealloc.native_allocator_ns() >= s2['allocator_ns']
+# Read later, so not less, up to the clock's conversion: ticks become nanoseconds at the ratio
+# measured at each read (Note [Why the TSC and not clock_gettime], tick_clock.h), which moves by
+# parts per million between two reads (seen on the H200: a few ns less, failing now and then).
+assert cachealloc.native_allocator_ns() >= s2['allocator_ns'] * (1 - 1e-4) - 1000, (cachealloc.native_allocator_ns(), s2)
 # PyTorch's own memory API answers through the wrapper.
 m = torch.cuda.memory_stats()
 assert 'allocated_bytes.all.current' in m and 'reserved_bytes.all.peak' in m, sorted(m)[:20]
