@@ -308,8 +308,9 @@ if [[ $stage == gpu ]]; then
 elif [[ $stage == check ]]; then
   # After a policy change, the gpu stage's checks of behaviour without its benchmarks: pytest
   # (plugin, async stats against the pool's attributes, the LibTorch adapter), OOM recovery per
-  # policy, racecheck on the GPU suite.
-  step pytest 220 "$PYTEST_FIGURE" pytest_tools
+  # policy, racecheck on the GPU suite. pytest gets 320 s: at 220 its plugin group was cut short
+  # on the H200 in session 17 (oom_recovery and racecheck took 51 and 45 s after it).
+  step pytest 320 "$PYTEST_FIGURE" pytest_tools
   if [[ -z ${PYTEST_SELECT:-} ]]; then
     step oom_recovery 150 "$OOM_FIGURE" oom_recovery
     step racecheck 150 "$RACECHECK_FIGURE" racecheck
