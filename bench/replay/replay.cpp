@@ -424,6 +424,10 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
                   static_cast<unsigned long long>(d.recent_hits),
                   static_cast<unsigned long long>(d.recent_flushes));
     r.detail = line;
+    if (d.pages_moved_pending != 0) {  // move_pending (Note [Moving pages a stream still uses])
+      r.detail += ", " + std::to_string(d.pages_moved_pending) +
+                  " of the pages moved from holes their stream's work still used";
+    }
   }
 #endif
 #ifdef CACHEALLOC_HAS_ASYNC

@@ -252,6 +252,13 @@ TEST_CASE("replay: defrag reports its counters, and a lagging GPU makes its wait
   CHECK(moving_ms(lagging.detail) > moving_ms(at_once.detail));
   CHECK(waiting_ms(lagging.detail) > waiting_ms(at_once.detail));
   CHECK(static_cast<double>(lagging.peak_reserved) / static_cast<double>(t.peak_requested) <= 1.02);
+  // move_pending (Note [Moving pages a stream still uses]): the same lag, no wait; the pages
+  // that left holes their stream still used are named.
+  const replay::PolicyResult pending = replay::run(t, "defrag", "move_pending:True", opts);
+  INFO(pending.detail);
+  CHECK(pending.detail.find(" 0 stream waits (0.0 ms)") != std::string::npos);
+  CHECK(pending.detail.find("holes their stream's work still used") != std::string::npos);
+  CHECK(static_cast<double>(pending.peak_reserved) / static_cast<double>(t.peak_requested) <= 1.02);
 }
 #endif
 
