@@ -3,6 +3,7 @@
 #include <cachealloc/errors.h>
 
 #include <chrono>
+#include <system_error>
 #include <utility>
 
 namespace cachealloc {
@@ -44,16 +45,36 @@ BackgroundUnmapper::~BackgroundUnmapper() {
 }
 
 void BackgroundUnmapper::post(std::uintptr_t va, std::size_t bytes, std::uint64_t after) {
+  bool started = false;
   {
     std::lock_guard lock(mutex_);
     rethrow_locked();
-    if (!thread_.joinable()) {
-      thread_ = std::thread([this] { run(); });  // may throw std::system_error: nothing queued yet
+    started = thread_.joinable();
+    if (!started) {
+      try {
+        thread_ = std::thread([this] { run(); });
+        started = true;
+      } catch (const std::system_error&) {  // no thread to be had: unmap here, below
+      }
     }
-    queue_.push_back(Range{va, bytes, after});
-    pending_.fetch_add(1, std::memory_order_release);
+    if (started) {
+      queue_.push_back(Range{va, bytes, after});
+      pending_.fetch_add(1, std::memory_order_release);
+    }
   }
-  work_.notify_one();
+  if (started) {
+    work_.notify_one();
+    return;
+  }
+  std::string error = after != 0 && wait_ ? wait_(after) : std::string();
+  const std::string unmapped = unmap_(va, bytes);
+  if (error.empty()) {
+    error = unmapped;
+  }
+  if (!error.empty()) {
+    throw DeviceError("unmap failed: " + error);
+  }
+  completed_.fetch_add(1, std::memory_order_relaxed);
 }
 
 bool BackgroundUnmapper::overlapping_locked(std::uintptr_t va, std::size_t bytes) const noexcept {

@@ -37,6 +37,7 @@
 // allocating thread waits for the stream only when it maps into a range still queued, as above.
 // The worker starts on the first post(), not in the constructor, so that a process that forks
 // after building a backend (a fork server, as bench/e2e uses) does not lose a thread it had.
+// Where no thread can be started (std::system_error), post() unmaps on the caller's thread.
 #pragma once
 
 #include <atomic>
