@@ -287,12 +287,11 @@ class alignas(64) DefragEngine {
   [[nodiscard]] std::size_t pages_within_slack(std::size_t size) const noexcept;
   /// Moves whole chunks of safe free holes into scratch_ until `want` pages, taking none that
   /// would bring the pages gathered beyond `room`, and none from the other kind's ranges unless
-  /// `other_kinds`.
-  std::size_t steal(std::size_t want, std::size_t room, const Node* hole, bool other_kinds);
-  /// Note [Moving pages a stream still uses] (background_unmapper.h): as steal(), from stream
-  /// class `cls`'s own holes that are not safe yet, unmapped once that stream's queued work is
-  /// done (VirtualMemory::unmap_after), without waiting for it.
-  std::size_t steal_pending(std::size_t want, std::size_t room, const Node* hole, std::uint32_t cls);
+  /// `other_kinds`. With `pending_of` (Note [Moving pages a stream still uses],
+  /// background_unmapper.h): instead from that stream class's own holes that are not safe yet,
+  /// unmapped once its queued work is done (VirtualMemory::unmap_after), without waiting.
+  std::size_t steal(std::size_t want, std::size_t room, const Node* hole, bool other_kinds,
+                    const std::uint32_t* pending_of = nullptr);
   /// The oldest epoch after whose completion on stream class `cls` `count` more whole free
   /// pages of that stream (outside the hole's neighbours) could move; 0 when none could.
   [[nodiscard]] std::uint64_t epoch_for_pages(std::size_t count, const Node* hole,

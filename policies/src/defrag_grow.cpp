@@ -250,7 +250,7 @@ bool DefragEngine::gather_pages(std::size_t count, std::size_t room, std::size_t
       if (settings_.move_pending && vm_.unmaps_after_streams()) {
         // Note [Moving pages a stream still uses]: the allocating stream's own recent holes,
         // unmapped once its work is done; nobody waits.
-        steal_pending(count - scratch_pages(), room, hole, cls);
+        steal(count - scratch_pages(), room, hole, /*other_kinds=*/true, &cls);
       } else {
         // Wait for the allocating stream only (never block on another stream's work), and only
         // for the oldest epochs that free enough pages.
@@ -374,49 +374,31 @@ std::uint64_t DefragEngine::epoch_for_pages(std::size_t count, const Node* hole,
 }
 
 std::size_t DefragEngine::steal(std::size_t want, std::size_t room, const Node* hole,
-                                bool other_kinds) {
+                                bool other_kinds, const std::uint32_t* pending_of) {
   // The hole's own neighbours stay: they are part of the placement (and moving their pages
-  // would merge the hole away).
+  // would merge the hole away). With `pending_of`, only that stream class's own holes that are
+  // not safe yet: a block for that stream may reuse memory its queued work still touches (the
+  // stream runs the new work after the old); another stream may not.
+  const StreamId after = pending_of != nullptr ? streams_[*pending_of].id : 0;
   std::size_t taken = 0;
   const std::size_t have = scratch_pages();
   for (Node* n = age_head_; n != nullptr && taken < want;) {
     Node* next = n->age_next;  // take_pages never recycles another age-list node
     const bool other_kind = n->arena->kind != hole->arena->kind;
-    if (n != hole->prev && n != hole->next && safe(n) && (other_kinds || !other_kind)) {
-      const std::size_t k = take_pages(n, want - taken, room - have - taken);
+    const bool movable = pending_of != nullptr ? n->cls == *pending_of && !safe(n)
+                                               : safe(n) && (other_kinds || !other_kind);
+    if (n != hole->prev && n != hole->next && movable) {
+      const std::size_t k =
+          take_pages(n, want - taken, room - have - taken, pending_of != nullptr ? &after : nullptr);
       if (k > 0 && other_kind) {
         lender_ = n->arena->kind;  // Note [Pages that come back]
         lent_below_peak_ = growing_below_peak_;
       }
       taken += k;
       counters_.pages_moved += k;
-    }
-    n = next;
-  }
-  if (taken > 0) {
-    note_move();
-  }
-  return taken;
-}
-
-std::size_t DefragEngine::steal_pending(std::size_t want, std::size_t room, const Node* hole,
-                                        std::uint32_t cls) {
-  // Own holes only: a block for this stream may reuse memory the stream's queued work still
-  // touches (the stream runs the new work after the old); another stream may not.
-  const StreamId stream = streams_[cls].id;
-  std::size_t taken = 0;
-  const std::size_t have = scratch_pages();
-  for (Node* n = age_head_; n != nullptr && taken < want;) {
-    Node* next = n->age_next;
-    if (n != hole->prev && n != hole->next && n->cls == cls && !safe(n)) {
-      const std::size_t k = take_pages(n, want - taken, room - have - taken, &stream);
-      if (k > 0 && n->arena->kind != hole->arena->kind) {
-        lender_ = n->arena->kind;  // Note [Pages that come back]
-        lent_below_peak_ = growing_below_peak_;
+      if (pending_of != nullptr) {
+        counters_.pages_moved_pending += k;
       }
-      taken += k;
-      counters_.pages_moved += k;
-      counters_.pages_moved_pending += k;
     }
     n = next;
   }
