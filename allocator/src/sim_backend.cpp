@@ -319,7 +319,7 @@ void SimBackend::do_unmap_after(std::uintptr_t va, std::size_t bytes, StreamId s
   settle_unmaps();
   check_unmap_range(va, bytes);
   for (const DeferredUnmap& d : deferred_unmaps_) {
-    if (d.va < va + bytes && va < d.va + d.bytes) {
+    if (d.overlaps(va, bytes)) {
       throw DeviceError("simulated device: unmap_after of a range already being unmapped");
     }
   }
@@ -346,20 +346,13 @@ bool SimBackend::event_done(EventId id) const {
 void SimBackend::settle_unmaps(std::uintptr_t va, std::size_t bytes, bool all) {
   for (std::size_t i = 0; i < deferred_unmaps_.size();) {
     const DeferredUnmap d = deferred_unmaps_[i];
-    const bool needed = all || (bytes != 0 && d.va < va + bytes && va < d.va + d.bytes);
     if (!event_done(d.event)) {
-      if (!needed) {
+      if (!all && !d.overlaps(va, bytes)) {
         ++i;
         continue;
       }
       // The caller waits for the stream, as the CUDA backend's map does (Note [Simulated time]).
-      Event& e = events_.at(d.event);
-      if (e.ready_ns > clock_ns_) {
-        charged_ns_ += e.ready_ns - clock_ns_;
-        clock_ns_ = e.ready_ns;
-      }
-      std::uint64_t& upto = stream_completed_upto_[e.stream];
-      upto = std::max(upto, e.sequence);
+      wait_until_done(events_.at(d.event));
     }
     events_.erase(d.event);
     remove_mappings(d.va, d.bytes);
@@ -433,19 +426,22 @@ void SimBackend::synchronize_event(EventId event) {
   if (it == events_.end()) {
     throw DeviceError("simulated device: synchronize of an unknown event " + std::to_string(event));
   }
-  if (it->second.done) {
+  wait_until_done(it->second);
+}
+
+void SimBackend::wait_until_done(Event& e) {
+  if (e.done) {
     return;
   }
-  if (it->second.ready_ns > clock_ns_ &&
-      it->second.sequence > stream_completed_upto_[it->second.stream]) {
+  if (e.ready_ns > clock_ns_ && e.sequence > stream_completed_upto_[e.stream]) {
     // The host waits until the simulated GPU gets there (Note [Simulated time]).
-    charged_ns_ += it->second.ready_ns - clock_ns_;
-    clock_ns_ = it->second.ready_ns;
+    charged_ns_ += e.ready_ns - clock_ns_;
+    clock_ns_ = e.ready_ns;
   }
-  it->second.done = true;
-  std::uint64_t& done = stream_completed_upto_[it->second.stream];
-  if (done < it->second.sequence) {
-    done = it->second.sequence;
+  e.done = true;
+  std::uint64_t& done = stream_completed_upto_[e.stream];
+  if (done < e.sequence) {
+    done = e.sequence;
   }
 }
 

@@ -201,6 +201,9 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
     bool done;
     std::uint64_t ready_ns = 0;  // event_lag_ns: complete once the clock reaches this (0: never)
   };
+  /// The host waits for `e` (the clock moves to when the simulated GPU gets there), as
+  /// synchronize_event, without counting a call.
+  void wait_until_done(Event& e);
 
   SimOptions options_;
   std::uint64_t clock_ns_ = 0;    // Note [Simulated time]
@@ -230,6 +233,9 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
     std::uintptr_t va;
     std::size_t bytes;
     EventId event;
+    [[nodiscard]] bool overlaps(std::uintptr_t a, std::size_t n) const noexcept {
+      return n != 0 && a < va + bytes && va < a + n;
+    }
   };
   std::vector<DeferredUnmap> deferred_unmaps_;  // unmap_after(), oldest first
   // events
