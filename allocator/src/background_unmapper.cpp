@@ -66,15 +66,31 @@ void BackgroundUnmapper::post(std::uintptr_t va, std::size_t bytes, std::uint64_
     work_.notify_one();
     return;
   }
-  std::string error = after != 0 && wait_ ? wait_(after) : std::string();
-  const std::string unmapped = unmap_(va, bytes);
-  if (error.empty()) {
-    error = unmapped;
-  }
+  const std::string error = execute(Range{va, bytes, after});
   if (!error.empty()) {
     throw DeviceError("unmap failed: " + error);
   }
   completed_.fetch_add(1, std::memory_order_relaxed);
+}
+
+std::string BackgroundUnmapper::execute(const Range& r) {
+  std::string error;
+  try {
+    if (r.after != 0 && wait_) {
+      error = wait_(r.after);  // the stream's work that used the range, first
+    }
+    std::string unmapped;
+    {
+      const Stopwatch busy(busy_ns_);
+      unmapped = unmap_(r.va, r.bytes);
+    }
+    if (error.empty()) {
+      error = std::move(unmapped);
+    }
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  return error;
 }
 
 bool BackgroundUnmapper::overlapping_locked(std::uintptr_t va, std::size_t bytes) const noexcept {
@@ -141,22 +157,7 @@ void BackgroundUnmapper::run() {
     running_ = queue_.front();
     queue_.pop_front();
     lock.unlock();
-    std::string error;
-    try {
-      if (running_.after != 0 && wait_) {
-        error = wait_(running_.after);  // the stream's work that used the range, first
-      }
-      std::string unmapped;
-      {
-        const Stopwatch busy(busy_ns_);
-        unmapped = unmap_(running_.va, running_.bytes);
-      }
-      if (error.empty()) {
-        error = std::move(unmapped);
-      }
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
+    std::string error = execute(running_);
     lock.lock();
     if (!error.empty() && failure_.empty()) {
       failure_ = std::move(error);

@@ -95,6 +95,8 @@ class BackgroundUnmapper {
     }
   };
   void run();
+  /// WaitFn for `r.after` (when set), then UnmapFn; the first error's text, or empty.
+  std::string execute(const Range& r);
   [[nodiscard]] bool overlapping_locked(std::uintptr_t va, std::size_t bytes) const noexcept;
   void rethrow_locked();  // throws DeviceError once for a recorded failure
 
