@@ -119,14 +119,21 @@ TEST_CASE("background unmapper: wait_for blocks only on an overlapping range", "
 }
 
 TEST_CASE("background unmapper: a failed unmap is reported once, by the next call", "[core][unmapper]") {
+  // The first unmap waits at a gate until all three are queued: otherwise the failure could
+  // be reported by the third post() (also "the next call"), as happened once under a sanitizer.
+  Gate gate;
   std::atomic<int> calls{0};
   BackgroundUnmapper u([&](std::uintptr_t va, std::size_t) {
+    if (va == 0x1000) {
+      gate.wait();
+    }
     ++calls;
     return va == 0x2000 ? std::string("CUDA_ERROR_INVALID_VALUE in cuMemUnmap") : std::string();
   });
   u.post(0x1000, 0x1000);
   u.post(0x2000, 0x1000);
   u.post(0x3000, 0x1000);
+  gate.open();
   try {
     u.drain();
     FAIL("drain() did not report the failed unmap");
