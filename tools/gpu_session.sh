@@ -16,8 +16,9 @@
 #   bash tools/gpu_session.sh check    # pytest (plugin, async stats, adapter), OOM recovery per
 #                                      # policy, racecheck: the gpu stage without its benchmarks
 #   bash tools/gpu_session.sh probe    # the GPU suite (PROBE_MEMCHECK=full: under memcheck),
-#                                      # PYTEST_SELECT (if set) under PROBE_ENV, the
-#                                      # GPU micro benchmarks matching MICRO_FILTER (if set), the e2e
+#                                      # the driver probe (cachealloc-vmm-probe), PYTEST_SELECT
+#                                      # (if set) under PROBE_ENV, the GPU micro benchmarks
+#                                      # matching MICRO_FILTER (if set), the e2e
 #                                      # workloads recorded as snapshots ($OUT/traces), then an e2e
 #                                      # subset (E2E_ARGS, E2E_REPS)
 #   bash tools/gpu_session.sh fuzz  # the three 10M-execution fuzz campaigns side by side (carry
@@ -330,6 +331,10 @@ elif [[ $stage == probe ]]; then
     step gpu_suite_memcheck 200 "$MEMCHECK_FIGURE" gpu_suite_memcheck
   else
     step gpu_suite_quick 150 "$SUITE_FIGURE" gpu_suite_quick
+  fi
+  # What cuMemMap / cuMemUnmap accept (offsets into a handle, aliases, sub-ranges): one line each.
+  if [[ -x $B/cachealloc-vmm-probe ]]; then
+    step vmm_probe 30 'grep -E "^PROBE" "$L" | tr "\n" " "' '"$B/cachealloc-vmm-probe"'
   fi
   if [[ -n ${PYTEST_SELECT:-} ]]; then
     step pytest 120 'grep -hE "[0-9]+ (passed|failed)" "$WORK"/pytest_*.log' "env ${PROBE_ENV:-} bash -c pytest_tools"

@@ -16,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build-gpu}
 JOBS=${JOBS:-$(nproc)}
-TARGETS=(cachealloc_gpu_tests cachealloc_plugin cachealloc_capi cachealloc-replay cachealloc-micro cachealloc-micro-cuda cachealloc-cold-replay
+TARGETS=(cachealloc_gpu_tests cachealloc_plugin cachealloc_capi cachealloc-replay cachealloc-micro cachealloc-micro-cuda cachealloc-cold-replay cachealloc-vmm-probe
          cachealloc_torch cachealloc_torch_tests cachealloc_libtorch_app cuda_call_timer)
 prefix=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_CUDA_ARCHITECTURES=90 >/dev/null
@@ -26,7 +26,7 @@ stage=$(mktemp -d "${TMPDIR:-/tmp}/gpu-bundle-stage.XXXXXX")
 trap 'rm -rf "$stage"' EXIT
 for f in tests/gpu/cachealloc_gpu_tests allocator/plugin/libcachealloc_plugin.so allocator/plugin/libcachealloc_capi.so \
          bench/replay/cachealloc-replay bench/micro/cachealloc-micro bench/micro/cachealloc-micro-cuda \
-         bench/micro/cachealloc-cold-replay \
+         bench/micro/cachealloc-cold-replay bench/micro/cachealloc-vmm-probe \
          allocator/torch/libcachealloc_torch.so allocator/torch/cachealloc_torch_tests \
          bench/libtorch_app/cachealloc_libtorch_app bench/libcuda_call_timer.so; do
   [[ -f $BUILD/$f ]] || { echo "make_gpu_bundle: $BUILD/$f was not built" >&2; exit 1; }
