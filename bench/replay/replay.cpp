@@ -428,6 +428,21 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
       r.detail += ", " + std::to_string(d.pages_moved_pending) +
                   " of the pages moved from holes their stream's work still used";
     }
+    if (d.beyond_slack_growths != 0) {  // Note [Why pages were created beyond the slack]
+      char why[320];
+      std::snprintf(why, sizeof why,
+                    "; %llu growths created %llu pages beyond the slack while whole free pages "
+                    "lay elsewhere (summed over those growths): %llu beside the placement, %llu "
+                    "not yet safe from their stream's work, %llu on chunks a live block pins, "
+                    "%llu other",
+                    static_cast<unsigned long long>(d.beyond_slack_growths),
+                    static_cast<unsigned long long>(d.beyond_slack_pages),
+                    static_cast<unsigned long long>(d.stuck_beside_pages),
+                    static_cast<unsigned long long>(d.stuck_unsafe_pages),
+                    static_cast<unsigned long long>(d.stuck_pinned_pages),
+                    static_cast<unsigned long long>(d.stuck_other_pages));
+      r.detail += why;
+    }
   }
 #endif
 #ifdef CACHEALLOC_HAS_ASYNC

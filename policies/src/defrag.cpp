@@ -808,6 +808,12 @@ std::vector<std::pair<std::string, std::int64_t>> DefragPolicy::stat_counters() 
           {"defrag.move_ns", v(c.move_ns)},               {"defrag.slack_raises", v(c.slack_raises)},
           {"defrag.budget_raises", v(c.budget_raises)},   {"defrag.return_raises", v(c.return_raises)},
           {"defrag.slack_returns", v(c.slack_returns)},
+          {"defrag.beyond_slack_growths", v(c.beyond_slack_growths)},
+          {"defrag.beyond_slack_pages", v(c.beyond_slack_pages)},
+          {"defrag.stuck_unsafe_pages", v(c.stuck_unsafe_pages)},
+          {"defrag.stuck_pinned_pages", v(c.stuck_pinned_pages)},
+          {"defrag.stuck_beside_pages", v(c.stuck_beside_pages)},
+          {"defrag.stuck_other_pages", v(c.stuck_other_pages)},
           {"defrag.recent_hits", v(c.recent_hits)},
           {"defrag.slack_ppm", static_cast<std::int64_t>(c.slack * 1e6 + 0.5)}};
 }

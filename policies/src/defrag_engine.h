@@ -275,6 +275,9 @@ class alignas(64) DefragEngine {
   };
   Placement place_unmapped(std::uint32_t kind, std::uint32_t cls, std::size_t size) const;
   Arena* new_arena(std::uint32_t kind, std::size_t at_least);
+  /// Counts a growth that creates `pages` beyond the slack and why the free pages held did not
+  /// move (Note [Why pages were created beyond the slack]).
+  void note_beyond_slack(std::size_t pages, const Node* hole) noexcept;
   /// At least `count` and at most `room` pages for a block, in whole chunks (Note [Where new
   /// pages come from], Note [Chunks]); false when the device is full.
   bool gather_pages(std::size_t count, std::size_t room, std::size_t size, const Node* hole,

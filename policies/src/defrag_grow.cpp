@@ -262,6 +262,7 @@ bool DefragEngine::gather_pages(std::size_t count, std::size_t room, std::size_t
       }
     }
     if (scratch_pages() < count) {
+      note_beyond_slack(count - scratch_pages(), hole);
       create_pages(count - scratch_pages());
     }
   } catch (...) {
@@ -273,6 +274,57 @@ bool DefragEngine::gather_pages(std::size_t count, std::size_t room, std::size_t
     return false;
   }
   return true;
+}
+
+// Note [Why pages were created beyond the slack]
+// When a growth ends up creating pages beyond the slack (step 5 of Note [Where new pages come
+// from]), memory grows although free pages may be held elsewhere. To tell why, the policy counts
+// the whole free pages of every mapped hole at that moment (O(holes); such growths are rare), by
+// the first reason that applies: the hole is the placement's own neighbour (part of the
+// placement, never moved: Note [Chunks] and steal()), a stream's queued work may still use it,
+// its chunk goes on under a live block or a partly used page (a chunk moves only whole), or none
+// of these (then the placement's room, or Note [Pages that come back], kept it). Summed over the
+// growths in DefragCounters::stuck_*_pages; cachealloc-replay prints them. Measured this way
+// (session 18, bench/results/defrag_floor_2026-12-04_session18.md): on held-out serving
+// recordings the free pages beside the placement, and on checkpointed training the partly used
+// edge pages of many holes, are what holds memory beyond the slack.
+void DefragEngine::note_beyond_slack(std::size_t pages, const Node* hole) noexcept {
+  ++counters_.beyond_slack_growths;
+  counters_.beyond_slack_pages += pages;
+  for (const auto& a : arenas_) {
+    for (const Node* n = a->head; n != nullptr; n = n->next) {
+      const std::size_t whole = n->state == State::mapped_free ? whole_pages(n) : 0;
+      if (whole == 0) {
+        continue;
+      }
+      if (n == hole->prev || n == hole->next) {
+        counters_.stuck_beside_pages += whole;
+        continue;
+      }
+      if (!safe(n)) {
+        counters_.stuck_unsafe_pages += whole;
+        continue;
+      }
+      // Only the lowest and the highest chunk of the whole pages can go on beyond them.
+      const std::vector<PhysicalHandle>& pg = a->pages;
+      const std::size_t first = page_index(*a, page_up(n->addr));
+      const std::size_t end = first + whole;
+      std::size_t low = 0;
+      if (first > 0 && pg[first - 1] == pg[first]) {
+        while (first + low < end && pg[first + low] == pg[first]) {
+          ++low;
+        }
+      }
+      std::size_t high = 0;
+      if (end < pg.size() && pg[end] == pg[end - 1]) {
+        while (end - high > first + low && pg[end - 1 - high] == pg[end - 1]) {
+          ++high;
+        }
+      }
+      counters_.stuck_pinned_pages += low + high;
+      counters_.stuck_other_pages += whole - low - high;
+    }
+  }
 }
 
 std::size_t DefragEngine::scratch_pages() const noexcept {

@@ -491,6 +491,34 @@ TEST_CASE("defrag: a growth creates about sixteen chunks, mapped as one run", "[
   }
 }
 
+TEST_CASE("defrag: a growth beyond the slack counts the free pages that could not move, and why",
+          "[defrag]") {
+  // Note [Why pages were created beyond the slack].
+  Fixture f("grow_slack:0");
+  const Block x = f.alloc(64 * MiB);  // 16 chunks of two pages at [0, 64 MiB)
+  const Block z = f.alloc(2 * MiB);   // [64, 66 MiB): the hole below it ends on a chunk's end
+  REQUIRE(addr_of(z) == addr_of(x) + 64 * MiB);
+  f.free(x);
+  const Block y = f.alloc(2 * MiB);  // the first page of chunk 0: its second page cannot move
+  REQUIRE(addr_of(y) == addr_of(x));
+  CHECK(f.policy.counters().beyond_slack_growths == 0);
+  // 100 MiB: 19 pages within the slack (peak live 104 MiB, 66 held), 30 moved (chunks 1-15),
+  // and the last one created beyond the slack while chunk 0's free page stays under y's chunk.
+  const Block big = f.alloc(100 * MiB);
+  const DefragCounters c = f.policy.counters();
+  CHECK(c.pages_moved == 30);
+  CHECK(c.beyond_slack_growths == 1);
+  CHECK(c.beyond_slack_pages == 1);
+  CHECK(c.stuck_pinned_pages == 1);
+  CHECK(c.stuck_beside_pages == 0);
+  CHECK(c.stuck_unsafe_pages == 0);
+  CHECK(c.stuck_other_pages == 0);
+  f.free(big);
+  f.free(y);
+  f.free(z);
+  f.check();
+}
+
 // ============================================================================ placement
 
 TEST_CASE("defrag: blocks are packed and share the pages at their edges", "[defrag]") {
@@ -584,7 +612,9 @@ TEST_CASE("defrag: pages under free holes move where memory is needed", "[defrag
   CHECK(m.at("defrag.return_raises") == 0);
   CHECK(m.at("defrag.slack_returns") == 0);
   CHECK(m.at("defrag.pages_moved_pending") == static_cast<std::int64_t>(after.pages_moved_pending));
-  CHECK(m.size() == 16);
+  CHECK(m.at("defrag.beyond_slack_pages") == static_cast<std::int64_t>(after.beyond_slack_pages));
+  CHECK(m.at("defrag.stuck_pinned_pages") == static_cast<std::int64_t>(after.stuck_pinned_pages));
+  CHECK(m.size() == 22);
 }
 
 TEST_CASE("defrag: the front end's stats carry the policy's counters as defrag.*", "[defrag]") {

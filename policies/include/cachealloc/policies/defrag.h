@@ -151,6 +151,15 @@ struct DefragCounters {
   std::uint64_t budget_raises = 0;     ///< of which on time (Note [A time budget for moves])
   std::uint64_t return_raises = 0;     ///< of which for pages coming back (Note [Pages that come back])
   std::uint64_t slack_returns = 0;     ///< on-time raises undone after quiet (Note [A raise that comes back])
+  /// Growths that created pages beyond the slack because no more could be moved, and the pages
+  /// they created; at each, the whole free pages held elsewhere, summed over them, by why they
+  /// did not move (Note [Why pages were created beyond the slack], defrag_grow.cpp).
+  std::uint64_t beyond_slack_growths = 0;
+  std::uint64_t beyond_slack_pages = 0;
+  std::uint64_t stuck_unsafe_pages = 0;  ///< in holes a stream's queued work may still use
+  std::uint64_t stuck_pinned_pages = 0;  ///< in chunks that go on under a live block or an edge page
+  std::uint64_t stuck_beside_pages = 0;  ///< in the placement's own mapped neighbours
+  std::uint64_t stuck_other_pages = 0;   ///< movable, not taken (room, the other range's pages)
   std::uint64_t move_ns = 0;           ///< time spent in growths that moved pages or waited
   std::uint64_t wait_ns = 0;           ///< of which waiting for streams (synchronize_event)
   double slack = 0.0;                  ///< the grow slack in force now
