@@ -22,13 +22,16 @@ import time
 POLICIES = ("native", "expandable", "async", "size_class", "defrag")
 
 
-def replay(binary: str, trace: str, extra: list[str], check_every: int) -> dict:
+def replay(binary: str, trace: str, extra: list[str], check_every: int,
+           env: dict[str, str] | None = None) -> dict:
+    """One cachealloc-replay run, its --json output as a dict (env: extra environment)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.json")
         cmd = [binary, trace, "-q", "--json", out, *extra]
         if check_every:
             cmd += ["--check-every", str(check_every)]
-        run = subprocess.run(cmd, capture_output=True, text=True)
+        run = subprocess.run(cmd, capture_output=True, text=True,
+                             env={**os.environ, **env} if env else None)
         if run.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} exited {run.returncode}:\n{run.stderr.strip()}")
         with open(out, encoding="utf-8") as f:

@@ -428,6 +428,40 @@ def test_validation_replay_table_lists_every_policy_and_says_where_defrag_misses
     assert bad.returncode == 2 and "is not an executable" in bad.stderr
 
 
+def test_devset_compares_defrag_variants_against_expandable(tmp_path):
+    """bench/validation/devset.py on one shared trace at two lags with two variants: a row per
+    (trace, lag) with expandable's ratio and each variant's, a summary per variant that compares
+    the second with the first; bad variants are a clear error (exit 2)."""
+    import glob
+
+    script = REPO / "bench" / "validation" / "devset.py"
+    trace = REPO / "tests" / "data" / "traces" / "mlp_two_streams.pickle.xz"
+    found = sorted(glob.glob(str(REPO / "build*" / "bench" / "replay" / "cachealloc-replay")))
+    if not script.is_file() or not trace.is_file():
+        skip("bench/validation/devset.py or the bundled traces are not in this checkout")
+    if not found:
+        skip("cachealloc-replay is not built (cmake --build build --target cachealloc-replay)")
+    out = tmp_path / "devset.md"
+    r = subprocess.run([sys.executable, str(script), "--replay", found[0], "--variant", "shipped=",
+                        "--variant", "held=max_grow_slack:0.01", "--lags", "0,2000", "--jobs", "2",
+                        "--out", str(out), str(trace)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    table = out.read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| traces/mlp_two_streams")]
+    assert [row.split("|")[2].strip() for row in rows] == ["0", "2"], table
+    for row in rows:
+        cells = [c.strip().strip("*") for c in row.strip("|").split("|")]
+        assert all(1.0 <= float(x) < 1.5 for x in cells[2:5]), row
+    assert "- shipped: mean " in table and "at most 1.02 on" in table
+    assert "- held: mean " in table and "against shipped: lower on" in table
+    for bad, message in ((["--variant", "nameonly"], "NAME=SETTINGS"),
+                         (["--variant", "a=", "--env", "b=X=1"], "NAME=VAR=VALUE"),
+                         (["--variant", "a=", "--lags", "-5"], "--lags")):
+        b = subprocess.run([sys.executable, str(script), "--replay", found[0], *bad, str(trace)],
+                           capture_output=True, text=True, timeout=60)
+        assert b.returncode == 2 and message in b.stderr, (bad, b.stderr)
+
+
 def test_e2e_runner_help_and_plan():
     runner = REPO / "bench" / "e2e" / "run_e2e.py"
     if not runner.is_file():
