@@ -429,19 +429,13 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
                   " of the pages moved from holes their stream's work still used";
     }
     if (d.beyond_slack_growths != 0) {  // Note [Why pages were created beyond the slack]
-      char why[320];
-      std::snprintf(why, sizeof why,
-                    "; %llu growths created %llu pages beyond the slack while whole free pages "
-                    "lay elsewhere (summed over those growths): %llu beside the placement, %llu "
-                    "not yet safe from their stream's work, %llu on chunks a live block pins, "
-                    "%llu other",
-                    static_cast<unsigned long long>(d.beyond_slack_growths),
-                    static_cast<unsigned long long>(d.beyond_slack_pages),
-                    static_cast<unsigned long long>(d.stuck_beside_pages),
-                    static_cast<unsigned long long>(d.stuck_unsafe_pages),
-                    static_cast<unsigned long long>(d.stuck_pinned_pages),
-                    static_cast<unsigned long long>(d.stuck_other_pages));
-      r.detail += why;
+      const auto num = [](std::uint64_t x) { return std::to_string(x); };
+      r.detail += "; " + num(d.beyond_slack_growths) + " growths created " + num(d.beyond_slack_pages) +
+                  " pages beyond the slack while whole free pages lay elsewhere (summed over those "
+                  "growths): " + num(d.stuck_beside_pages) + " beside the placement, " +
+                  num(d.stuck_unsafe_pages) + " not yet safe from their stream's work, " +
+                  num(d.stuck_pinned_pages) + " on chunks a live block pins, " +
+                  num(d.stuck_other_pages) + " other";
     }
   }
 #endif

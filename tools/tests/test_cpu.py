@@ -395,19 +395,26 @@ def test_validation_workloads_run_on_cpu_at_tiny_scale():
                     "compiled_gpt", "cudagraph_mlp"], r.stdout
 
 
+def built_replay(script, trace) -> list[str]:
+    """The cachealloc-replay binaries of the build trees here (skips the test when the script, the
+    trace or a built binary is missing)."""
+    import glob
+
+    if not script.is_file() or not trace.is_file():
+        skip(f"{script.name} or {trace.name} is not in this checkout")
+    found = sorted(glob.glob(str(REPO / "build*" / "bench" / "replay" / "cachealloc-replay")))
+    if not found:
+        skip("cachealloc-replay is not built (cmake --build build --target cachealloc-replay)")
+    return found
+
+
 def test_validation_replay_table_lists_every_policy_and_says_where_defrag_misses(tmp_path):
     """bench/validation/replay_table.py on the smallest held-out recording (cudagraph_mlp), with
     the cachealloc-replay of a build tree: one row, a ratio for every policy and expandable
     segments, the native model's fidelity, a summary line; a missing binary is a clear error."""
-    import glob
-
     script = REPO / "bench" / "validation" / "replay_table.py"
     trace = REPO / "bench" / "validation" / "recordings" / "cudagraph_mlp.pickle.xz"
-    found = sorted(glob.glob(str(REPO / "build*" / "bench" / "replay" / "cachealloc-replay")))
-    if not script.is_file() or not trace.is_file():
-        skip("bench/validation is not in this checkout")
-    if not found:
-        skip("cachealloc-replay is not built (cmake --build build --target cachealloc-replay)")
+    found = built_replay(script, trace)
     out = tmp_path / "table.md"
     r = subprocess.run([sys.executable, str(script), "--replay", found[0], "--out", str(out), "--json",
                         str(tmp_path / "rows.json"), str(trace)], capture_output=True, text=True, timeout=300)
@@ -432,15 +439,9 @@ def test_devset_compares_defrag_variants_against_expandable(tmp_path):
     """bench/validation/devset.py on one shared trace at two lags with two variants: a row per
     (trace, lag) with expandable's ratio and each variant's, a summary per variant that compares
     the second with the first; bad variants are a clear error (exit 2)."""
-    import glob
-
     script = REPO / "bench" / "validation" / "devset.py"
     trace = REPO / "tests" / "data" / "traces" / "mlp_two_streams.pickle.xz"
-    found = sorted(glob.glob(str(REPO / "build*" / "bench" / "replay" / "cachealloc-replay")))
-    if not script.is_file() or not trace.is_file():
-        skip("bench/validation/devset.py or the bundled traces are not in this checkout")
-    if not found:
-        skip("cachealloc-replay is not built (cmake --build build --target cachealloc-replay)")
+    found = built_replay(script, trace)
     out = tmp_path / "devset.md"
     r = subprocess.run([sys.executable, str(script), "--replay", found[0], "--variant", "shipped=",
                         "--variant", "held=max_grow_slack:0.01", "--lags", "0,2000", "--jobs", "2",
