@@ -45,12 +45,10 @@ struct Probe {
   CUmemAllocationProp prop{};
   CUmemAccessDesc access{};
   std::size_t page = 0;
-  int failures = 0;
 
   void must(CUresult r, const char* what) {
     if (r != CUDA_SUCCESS) {
       std::printf("FAILED %s: %s\n", what, error_text(api, r).c_str());
-      ++failures;
       throw std::runtime_error(what);
     }
   }
@@ -164,7 +162,7 @@ int main() {
     }
     p.must(api.mem_address_free(a, n * p.page), "cuMemAddressFree");
     p.must(api.mem_address_free(b, n * p.page), "cuMemAddressFree");
-    return p.failures == 0 ? 0 : 1;
+    return 0;
   } catch (const std::exception& e) {
     std::printf("cachealloc-vmm-probe: %s\n", e.what());
     return 1;

@@ -163,6 +163,7 @@ def main() -> int:
                 rows[i] = f.result()
             except (RuntimeError, OSError, ValueError, KeyError) as e:
                 print(f"devset: {pairs[i][0]} at lag {pairs[i][1]} us: {e}", file=sys.stderr)
+                pool.shutdown(cancel_futures=True)  # the replays not started yet would be wasted
                 return 1
             print(f"[{done}/{len(pairs)}] {short_name(pairs[i][0])} at {pairs[i][1]} us",
                   file=sys.stderr, flush=True)
