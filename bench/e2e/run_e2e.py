@@ -104,7 +104,9 @@ What is measured, the same way for every configuration, in the run's process:
                        for cachealloc also device_calls_steps and, with policy defrag,
                        defrag_wait_ns_steps / defrag_move_ns_steps (time waiting for streams /
                        in growths that moved pages or waited). The report gives the median
-                       step's allocator time and the heaviest step's share of the run's.
+                       step's allocator time, the heaviest step's share of the run's, and
+                       the steps that made no device call (how many, and their median
+                       allocator time over the median step: the allocator's floor there).
   torch max_memory_reserved   torch.cuda.max_memory_reserved() at the end of the run: PyTorch's
                        own figure (native, expandable, async, and the LibTorch adapter); it
                        raises under the pluggable allocator (shown as –).
@@ -981,6 +983,19 @@ def _heaviest_step(r: dict[str, Any]) -> dict[str, int]:
     return h
 
 
+def _quiet_steps(r: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The run's measured steps without a device call: how many, their median allocator ns, and
+    that over the run's median step time (None where the run has no per-step calls)."""
+    ns, calls = r.get("allocator_ns_steps") or [], r.get("device_calls_steps") or []
+    if not ns or len(ns) != len(calls) or not r.get("median_step_s"):
+        return None
+    quiet = [t for t, c in zip(ns, calls) if c == 0]
+    if not quiet:
+        return {"steps": 0, "of": len(ns)}
+    med = statistics.median(quiet)
+    return {"steps": len(quiet), "of": len(ns), "ns": med, "pct": 100.0 * med / (r["median_step_s"] * 1e9)}
+
+
 def summarize(results: list[dict[str, Any]], workloads: list[str], configs: list[str]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for wl in workloads:
@@ -1015,6 +1030,9 @@ def summarize(results: list[dict[str, Any]], workloads: list[str], configs: list
                                              for r in ok if r.get("allocator_ns_steps")],
                 "heaviest_steps": [_heaviest_step(r) for r in ok
                                    if r.get("allocator_ns_steps") and r.get("device_calls_steps")],
+                # Per run: the measured steps that made no device call (cachealloc), how many,
+                # and their median allocator time: the allocator's floor on this workload.
+                "quiet_steps": [q for r in ok if (q := _quiet_steps(r))],
                 "counters_delta_per_step": {
                     k: statistics.median([r["counters_delta"][k] / r["steps"] for r in ok
                                           if k in r.get("counters_delta", {})])
@@ -1214,6 +1232,24 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any], meta: dict[str, 
                 f"in the allocator; the heaviest step held {100 * statistics.median(r['heaviest_step_share']):.0f}% "
                 f"of a run's allocator time (medians over runs)"
                 for cfg, r in spread_rows]
+        quiet = [(cfg, r["quiet_steps"]) for cfg, r in rows.items() if r.get("quiet_steps")]
+        if quiet:
+            # The floor under the allocator's share of the step: what steps that made no device
+            # call cost (the calls themselves, cold caches, events), without growth or moves.
+            lines += [""]
+            for cfg, qs in quiet:
+                with_steps = [q for q in qs if q["steps"]]
+                counts = f"{sum(q['steps'] for q in qs)} of {sum(q['of'] for q in qs)} measured steps"
+                if with_steps:
+                    per_run = ", ".join(f"{q['pct']:.2f}%" for q in with_steps)
+                    lines.append(
+                        f"- {cfg}: steps without a device call: {counts}; the allocator spent "
+                        f"{statistics.median(q['ns'] for q in with_steps) / 1e3:,.1f} µs in each "
+                        f"({statistics.median(q['pct'] for q in with_steps):.2f}% of the median step; "
+                        f"per run {per_run})")
+                else:
+                    lines.append(f"- {cfg}: steps without a device call: none of the "
+                                 f"{sum(q['of'] for q in qs)} measured steps")
         if heavy:
             # What the heaviest step of each run did (cachealloc: device calls, defrag's waits).
             lines += [""] + [

@@ -488,7 +488,8 @@ def test_e2e_runner_help_and_plan():
 
 def test_e2e_report_shows_how_allocator_time_spreads_over_steps(tmp_path):
     """--report-from: the median step's allocator time, the heaviest step's share and what that
-    step did (device calls, defrag's waits), computed from the runs' per-step figures."""
+    step did (device calls, defrag's waits), and what the steps without a device call cost,
+    computed from the runs' per-step figures."""
     runner = REPO / "bench" / "e2e" / "run_e2e.py"
     if not runner.is_file():
         skip("bench/e2e/run_e2e.py is not in this checkout")
@@ -524,6 +525,9 @@ def test_e2e_report_shows_how_allocator_time_spreads_over_steps(tmp_path):
     # Note [Time in device calls]: the time inside each kind of device call, per step and per call.
     assert ("130.0 µs/step in device memory calls: cuMemCreate 30.0 µs/step (0.50 calls/step, 60 µs each); "
             "cuMemMap + cuMemSetAccess (per handle) 100.0 µs/step (1.00 calls/step, 100 µs each)") in md, md
+    # The steps without a device call (three of four here: 100, 120, 100 µs) over the 10 ms median step.
+    assert ("steps without a device call: 3 of 4 measured steps; the allocator spent 100.0 µs in each "
+            "(1.00% of the median step; per run 1.00%)") in md, md
 
 
 if __name__ == "__main__":
