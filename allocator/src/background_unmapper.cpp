@@ -93,6 +93,14 @@ std::string BackgroundUnmapper::execute(const Range& r) {
   return error;
 }
 
+bool BackgroundUnmapper::overlaps(std::uintptr_t va, std::size_t bytes) const {
+  if (pending() == 0) {
+    return false;  // nothing queued or running: no lock taken
+  }
+  const std::lock_guard lock(mutex_);
+  return overlapping_locked(va, bytes);
+}
+
 bool BackgroundUnmapper::overlapping_locked(std::uintptr_t va, std::size_t bytes) const noexcept {
   if (running_.overlaps(va, bytes)) {
     return true;

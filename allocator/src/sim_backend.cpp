@@ -343,6 +343,18 @@ bool SimBackend::event_done(EventId id) const {
          (e.ready_ns != 0 && clock_ns_ >= e.ready_ns);
 }
 
+bool SimBackend::unmap_queued(std::uintptr_t va, std::size_t bytes) const noexcept {
+  for (const DeferredUnmap& d : deferred_unmaps_) {
+    if (d.overlaps(va, bytes)) {
+      const auto e = events_.find(d.event);
+      if (e != events_.end() && !event_done(d.event)) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
 void SimBackend::settle_unmaps(std::uintptr_t va, std::size_t bytes, bool all) {
   for (std::size_t i = 0; i < deferred_unmaps_.size();) {
     const DeferredUnmap d = deferred_unmaps_[i];

@@ -78,6 +78,9 @@ class CaptureGuardBackend final : public DeviceBackend, private VirtualMemory {
   [[nodiscard]] bool unmaps_after_streams() const noexcept override {
     return !capturing() && inner_vm_ != nullptr && inner_vm_->unmaps_after_streams();
   }
+  [[nodiscard]] bool unmap_queued(std::uintptr_t va, std::size_t bytes) const noexcept override {
+    return inner_vm_ != nullptr && inner_vm_->unmap_queued(va, bytes);
+  }
 
   /// Device frees waiting for the end of a capture (for tests and statistics).
   [[nodiscard]] std::size_t deferred_releases() const noexcept { return deferred_releases_.size(); }

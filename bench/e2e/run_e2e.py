@@ -181,7 +181,7 @@ COUNTER_KEYS = ("allocator_ns", "alloc_calls", "free_calls", "num_device_alloc",
                 # policy defrag's own counters (DefragPolicy::stat_counters())
                 "defrag.pages_moved", "defrag.chunks_moved", "defrag.stream_waits", "defrag.wait_ns",
                 "defrag.move_ns", "defrag.grow_allocations", "defrag.pages_created", "defrag.slack_raises",
-                "defrag.pages_moved_pending",
+                "defrag.pages_moved_pending", "defrag.placed_past_queued",
                 "defrag.return_raises", "defrag.slack_returns",
                 # the front end's step memo (Note [The step memo], allocator.h)
                 "memo.served", "memo.entries", "memo.exits", "memo.replayed", "memo.verify_started",

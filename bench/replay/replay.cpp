@@ -428,6 +428,10 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
       r.detail += ", " + std::to_string(d.pages_moved_pending) +
                   " of the pages moved from holes their stream's work still used";
     }
+    if (d.placed_past_queued != 0) {  // Note [Placing away from queued unmaps]
+      r.detail += ", " + std::to_string(d.placed_past_queued) +
+                  " growths placed past a hole whose unmap had not run yet";
+    }
     if (d.beyond_slack_growths != 0) {  // Note [Why pages were created beyond the slack]
       const auto num = [](std::uint64_t x) { return std::to_string(x); };
       r.detail += "; " + num(d.beyond_slack_growths) + " growths created " + num(d.beyond_slack_pages) +

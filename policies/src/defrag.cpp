@@ -735,7 +735,8 @@ void DefragEngine::make_live(Node* n) noexcept {
 
 std::vector<std::string_view> DefragPolicy::config_keys() {
   return {"va_reserve_gb", "grow_slack", "max_grow_slack", "move_budget", "small_size",
-          "wait_for_streams", "move_pending", "max_chunk_mb", "keep_small_mb"};
+          "wait_for_streams", "move_pending", "avoid_queued_unmaps", "max_chunk_mb",
+          "keep_small_mb"};
 }
 
 DefragSettings DefragPolicy::parse_settings(Config& config) {
@@ -765,6 +766,9 @@ DefragSettings DefragPolicy::parse_settings(Config& config) {
   }
   if (auto pending = config.take_bool("move_pending")) {
     s.move_pending = *pending;
+  }
+  if (auto avoid = config.take_bool("avoid_queued_unmaps")) {
+    s.avoid_queued_unmaps = *avoid;
   }
   if (auto mb = config.take_double("max_chunk_mb", 0.5, 1 << 20)) {
     s.max_chunk_bytes = static_cast<std::size_t>(*mb * static_cast<double>(kMiB));
@@ -803,6 +807,7 @@ std::vector<std::pair<std::string, std::int64_t>> DefragPolicy::stat_counters() 
   return {{"defrag.pages_created", v(c.pages_created)},   {"defrag.chunks_created", v(c.chunks_created)},
           {"defrag.pages_moved", v(c.pages_moved)},       {"defrag.chunks_moved", v(c.chunks_moved)},
           {"defrag.pages_moved_pending", v(c.pages_moved_pending)},
+          {"defrag.placed_past_queued", v(c.placed_past_queued)},
           {"defrag.unmap_batches", v(c.unmap_batches)},   {"defrag.grow_allocations", v(c.grow_allocations)},
           {"defrag.stream_waits", v(c.stream_waits)},     {"defrag.wait_ns", v(c.wait_ns)},
           {"defrag.move_ns", v(c.move_ns)},               {"defrag.slack_raises", v(c.slack_raises)},

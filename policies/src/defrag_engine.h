@@ -19,6 +19,9 @@ inline constexpr std::size_t kAlignment = 512;
 inline constexpr int kMaxPendingSkips = 32;
 /// Unmapped holes slightly smaller than the request tried before the first that fits alone.
 inline constexpr int kUnmappedCandidates = 8;
+/// Fitting unmapped holes passed over because an unmap queued there has not run yet, before the
+/// first of them is taken anyway (Note [Placing away from queued unmaps], defrag_grow.cpp).
+inline constexpr int kQueuedSkips = 8;
 /// Unmerged neighbour pairs remembered before the policy closes an epoch on its own.
 inline constexpr std::size_t kDeferredLimit = 4096;
 /// Note [Slack that adapts to moves] (defrag_grow.cpp): after this many growths that moved
@@ -272,6 +275,7 @@ class alignas(64) DefragEngine {
   struct Placement {
     Node* hole = nullptr;  // the unmapped hole
     std::uintptr_t start = 0;
+    bool passed_queued = false;  // a better fit was passed over for a queued unmap
   };
   Placement place_unmapped(std::uint32_t kind, std::uint32_t cls, std::size_t size) const;
   Arena* new_arena(std::uint32_t kind, std::size_t at_least);

@@ -94,6 +94,35 @@
 // earlier: the step memo served 94,538 of its 107,730 calls instead of 92,114), every other
 // recording and shared trace unchanged.
 //
+// Note [Placing away from queued unmaps]
+// Pages that moved from a hole its stream's work may still use are unmapped only when that work
+// is done (move_pending, Note [Moving pages a stream still uses]); on cuda_vmm every unmap runs
+// on the backend's thread a little later. Until then the old range is an unmapped hole like any
+// other, and a map into it must wait for the unmap. In a serving job whose host runs far ahead of
+// the GPU that wait is long and frequent: the best-fitting unmapped hole for the next large
+// block is, most of the time, the range its pages just left (the e2e llm_serve workload on the
+// H200 with move_pending: allocations blocked 35 ms per 2.4 s step on maps into such ranges,
+// maps 139 us each against 36 without it). The wait counts against the time budget and raises
+// the slack, so memory grows: replayed with the simulated GPU 100 ms behind the host, llm_serve
+// held 1.082x its live peak with move_pending, 1.132 without, against 1.032 for expandable
+// segments.
+// With avoid_queued_unmaps, placement asks the backend whether an unmap is still queued over the
+// pages it would map (VirtualMemory::unmap_queued) and passes such a hole over for the next fit,
+// up to kQueuedSkips of them; when every fit has one it takes the first and waits as before.
+// Measured (bench/results/defrag_queued_unmaps_2026-12-04_session19.md):
+//   H200, llm_serve (peak device memory, 2 runs): move_pending + this 10,960 / 10,966 MiB,
+//   17-39 ms per step in the allocator; expandable segments 11,162 / 11,170; the default
+//   11,826 / 11,830 (56-57 ms per step, in another run of the same binaries' policy)
+//   H200, e2e gpt2: 17,656 / 17,718 MiB with move_pending + this, 17,614 / 17,600 with this
+//   alone, against 17,572 in every earlier run of the default and expandable's 17,578-17,580:
+//   passing the best fit over spreads a training step's layout
+//   replayed, development set at GPU lags 0 / 2 / 100 / 400 ms (bench/validation/devset.py, 88
+//   pairs, peak reserved / peak requested): move_pending alone mean 1.0418, 58 pairs at most
+//   1.02; with this 1.0386, 60 (llm_serve at 100 ms 1.082 -> 1.025); e2e gpt2 1.004 -> 1.008
+//   at 2 ms, above expandable's 1.005
+// So it is a setting for serving jobs (with move_pending), not the default: the default keeps
+// the training workloads of issue 5's end-to-end bar below expandable segments.
+//
 // Note [Failures while growing]
 // Pages are gathered first (created, or unmapped from holes, which leaves consistent unmapped
 // holes behind), then mapped as one run, all or nothing. If gathering or mapping fails, the
@@ -116,6 +145,8 @@ DefragEngine::Placement DefragEngine::place_unmapped(std::uint32_t kind, std::ui
   // Usable mapped holes on either side extend an unmapped hole (they are the partly used pages
   // at its edges), so a hole up to two pages smaller than the request may do.
   const std::size_t lowest = size > 2 * page_ ? size - 2 * page_ : 0;
+  Placement queued;  // the first fit whose pages would wait for a queued unmap
+  int skipped = 0;
   auto it = unmapped_.lower_bound(IndexKey{kind, lowest, 0, nullptr});
   for (int tried = 0; it != unmapped_.end() && it->bucket == kind; ++it, ++tried) {
     if (tried == kUnmappedCandidates && it->size < size) {
@@ -130,10 +161,22 @@ DefragEngine::Placement DefragEngine::place_unmapped(std::uint32_t kind, std::ui
     const std::uintptr_t start = left != nullptr ? left->addr : hole->addr;
     const std::uintptr_t limit = right != nullptr ? right->end() : hole->end();
     if (start + size <= limit) {
-      return Placement{hole, start};
+      // Note [Placing away from queued unmaps]: the pages mapped here are [hole, window_end).
+      const std::uintptr_t window_end = std::clamp(page_up(start + size), hole->addr, hole->end());
+      if (settings_.avoid_queued_unmaps && window_end > hole->addr &&
+          vm_.unmap_queued(hole->addr, window_end - hole->addr)) {
+        if (queued.hole == nullptr) {
+          queued = Placement{hole, start, true};
+        }
+        if (++skipped < kQueuedSkips) {
+          continue;
+        }
+        return queued;
+      }
+      return Placement{hole, start, queued.hole != nullptr};
     }
   }
-  return {};
+  return queued;
 }
 
 Node* DefragEngine::grow(std::uint32_t kind, std::uint32_t cls, std::size_t size) {
@@ -144,6 +187,9 @@ Node* DefragEngine::grow(std::uint32_t kind, std::uint32_t cls, std::size_t size
     if (where.hole == nullptr) {
       throw InvariantError("policy defrag: a new address range does not hold the block");
     }
+  }
+  if (where.passed_queued) {
+    ++counters_.placed_past_queued;
   }
   Node* hole = where.hole;
   const std::uintptr_t start = where.start;

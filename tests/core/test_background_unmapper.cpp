@@ -97,6 +97,11 @@ TEST_CASE("background unmapper: wait_for blocks only on an overlapping range", "
   });
   u.post(0x10000, 0x4000);  // [0x10000, 0x14000), held at the gate
   CHECK(u.pending() == 1);
+  // overlaps() says which ranges a wait_for() would block on (placement's hint).
+  CHECK(u.overlaps(0x13000, 0x2000));
+  CHECK(u.overlaps(0x10000, 0x4000));
+  CHECK_FALSE(u.overlaps(0x14000, 0x1000));
+  CHECK_FALSE(u.overlaps(0xF000, 0x1000));
   // Ranges that only touch it do not wait.
   u.wait_for(0x14000, 0x1000);
   u.wait_for(0xF000, 0x1000);
@@ -115,6 +120,7 @@ TEST_CASE("background unmapper: wait_for blocks only on an overlapping range", "
   CHECK(returned.load());
   u.drain();
   CHECK(u.pending() == 0);
+  CHECK_FALSE(u.overlaps(0x13000, 0x2000));
   CHECK(u.blocked_ns() > 0);
 }
 

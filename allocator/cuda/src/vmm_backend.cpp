@@ -166,6 +166,14 @@ std::size_t CudaVmmBackend::pending_unmaps() const noexcept {
   return unmapper_ != nullptr ? unmapper_->pending() : 0;
 }
 
+bool CudaVmmBackend::unmap_queued(std::uintptr_t va, std::size_t bytes) const noexcept {
+  try {
+    return unmapper_ != nullptr && unmapper_->overlaps(va, bytes);
+  } catch (...) {  // a failed lock: only a hint, the map waits as before
+    return false;
+  }
+}
+
 void CudaVmmBackend::drain_unmaps() {
   if (unmapper_ != nullptr) {
     unmapper_->drain();

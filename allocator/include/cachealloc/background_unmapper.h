@@ -76,6 +76,8 @@ class BackgroundUnmapper {
   /// Blocks until nothing is queued or running. Throws DeviceError when an unmap failed.
   void drain();
 
+  /// Whether a queued or running unmap overlaps [va, va + bytes) (wait_for() would block).
+  [[nodiscard]] bool overlaps(std::uintptr_t va, std::size_t bytes) const;
   /// Unmaps queued or running now.
   [[nodiscard]] std::size_t pending() const noexcept { return pending_.load(std::memory_order_acquire); }
   /// Time the worker spent inside UnmapFn, in nanoseconds (steady clock).

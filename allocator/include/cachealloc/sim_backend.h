@@ -161,6 +161,8 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
   [[nodiscard]] bool unmaps_after_streams() const noexcept override {
     return options_.unmap_after_streams;
   }
+  /// An unmap_after() range whose stream's work has not completed at the simulated clock.
+  [[nodiscard]] bool unmap_queued(std::uintptr_t va, std::size_t bytes) const noexcept override;
 
  private:
   friend class SimStreamPool;  // marks free positions in stream order, reads events

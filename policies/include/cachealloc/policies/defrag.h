@@ -45,6 +45,10 @@
 //                     addresses once the stream's queued work is done, where the backend can
 //                     (cuda_vmm with background_unmap, the simulated device) (default False;
 //                     Note [Moving pages a stream still uses], background_unmapper.h)
+//   avoid_queued_unmaps  place a block that needs pages mapped past unmapped holes whose
+//                     unmap has not run yet (behind a stream's work, or on cuda_vmm's thread),
+//                     instead of waiting for it there; for serving jobs, with move_pending
+//                     (default False; Note [Placing away from queued unmaps], defrag_grow.cpp)
 //   max_chunk_mb      the largest physical handle created, in MiB (default 1024; rounded down
 //                     to whole pages; the page size, 2 on the H200, gives one handle per page:
 //                     every page can move alone, but each costs its own cuMemCreate and cuMemMap)
@@ -125,6 +129,8 @@ struct DefragSettings {
   std::size_t small_size = 1 * kMiB;
   bool wait_for_streams = true;
   bool move_pending = false;  ///< Note [Moving pages a stream still uses]
+  /// Note [Placing away from queued unmaps] (defrag_grow.cpp)
+  bool avoid_queued_unmaps = false;
   std::size_t max_chunk_bytes = 1 * kGiB;  ///< largest physical handle; one page = per-page handles
   std::size_t keep_small_bytes = 0;  ///< freed small blocks kept for reuse at their size (0: none)
 };
@@ -142,6 +148,9 @@ struct DefragCounters {
   /// Of which from the allocating stream's own holes its queued work may still use, unmapped
   /// after that work (Note [Moving pages a stream still uses], background_unmapper.h).
   std::uint64_t pages_moved_pending = 0;
+  /// Growths placed past a better-fitting unmapped hole where an unmap had not run yet (or, when
+  /// every fit had one, in the first of them): Note [Placing away from queued unmaps].
+  std::uint64_t placed_past_queued = 0;
   std::uint64_t unmap_batches = 0;   ///< unmap() calls (each covers consecutive pages)
   std::uint64_t grow_allocations = 0;  ///< allocations that needed pages mapped
   std::uint64_t events_recorded = 0;   ///< epoch-closing events (one per stream per epoch)
