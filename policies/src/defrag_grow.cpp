@@ -112,7 +112,8 @@
 // Measured (bench/results/defrag_queued_unmaps_2026-12-04_session19.md):
 //   H200, llm_serve (peak device memory, 2 runs): move_pending + this 10,960 / 10,966 MiB,
 //   17-39 ms per step in the allocator; expandable segments 11,162 / 11,170; the default
-//   11,826 / 11,830 (56-57 ms per step, in another run of the same binaries' policy)
+//   11,826 / 11,830 (56-57 ms per step; an earlier call, binaries 8c87318, whose default
+//   path this setting leaves as it was)
 //   H200, e2e gpt2: 17,656 / 17,718 MiB with move_pending + this, 17,614 / 17,600 with this
 //   alone, against 17,572 in every earlier run of the default and expandable's 17,578-17,580:
 //   passing the best fit over spreads a training step's layout
