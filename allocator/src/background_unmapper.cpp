@@ -66,18 +66,22 @@ void BackgroundUnmapper::post(std::uintptr_t va, std::size_t bytes, std::uint64_
     work_.notify_one();
     return;
   }
-  const std::string error = execute(Range{va, bytes, after});
+  const std::string error = execute(Range{va, bytes, after}, /*on_worker=*/false);
   if (!error.empty()) {
     throw DeviceError("unmap failed: " + error);
   }
   completed_.fetch_add(1, std::memory_order_relaxed);
 }
 
-std::string BackgroundUnmapper::execute(const Range& r) {
+std::string BackgroundUnmapper::execute(const Range& r, bool on_worker) {
   std::string error;
   try {
     if (r.after != 0 && wait_) {
       error = wait_(r.after);  // the stream's work that used the range, first
+      if (on_worker) {
+        const std::lock_guard lock(mutex_);
+        running_waits_ = false;
+      }
     }
     std::string unmapped;
     {
@@ -99,6 +103,24 @@ bool BackgroundUnmapper::overlaps(std::uintptr_t va, std::size_t bytes) const {
   }
   const std::lock_guard lock(mutex_);
   return overlapping_locked(va, bytes);
+}
+
+bool BackgroundUnmapper::behind_stream_work(std::uintptr_t va, std::size_t bytes) const {
+  if (pending() == 0) {
+    return false;
+  }
+  const std::lock_guard lock(mutex_);
+  bool waits = running_waits_;
+  if (waits && running_.overlaps(va, bytes)) {
+    return true;
+  }
+  for (const Range& r : queue_) {
+    waits = waits || (r.after != 0 && wait_);
+    if (waits && r.overlaps(va, bytes)) {
+      return true;
+    }
+  }
+  return false;
 }
 
 bool BackgroundUnmapper::overlapping_locked(std::uintptr_t va, std::size_t bytes) const noexcept {
@@ -163,14 +185,16 @@ void BackgroundUnmapper::run() {
       return;  // stop_, and nothing left to do
     }
     running_ = queue_.front();
+    running_waits_ = running_.after != 0 && wait_;
     queue_.pop_front();
     lock.unlock();
-    std::string error = execute(running_);
+    std::string error = execute(running_, /*on_worker=*/true);
     lock.lock();
     if (!error.empty() && failure_.empty()) {
       failure_ = std::move(error);
     }
     running_ = Range{};
+    running_waits_ = false;
     completed_.fetch_add(1, std::memory_order_relaxed);
     pending_.fetch_sub(1, std::memory_order_release);
     done_.notify_all();

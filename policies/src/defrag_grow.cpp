@@ -106,23 +106,33 @@
 // the slack, so memory grows: replayed with the simulated GPU 100 ms behind the host, llm_serve
 // held 1.082x its live peak with move_pending, 1.132 without, against 1.032 for expandable
 // segments.
-// With avoid_queued_unmaps, placement asks the backend whether an unmap is still queued over the
-// pages it would map (VirtualMemory::unmap_queued) and passes such a hole over for the next fit,
-// up to kQueuedSkips of them; when every fit has one it takes the first and waits as before.
+// With avoid_queued_unmaps, placement asks the backend whether an unmap still waiting for a
+// stream's work lies over the pages it would map (VirtualMemory::unmap_queued) and passes such a
+// hole over for the next fit, up to kQueuedSkips of them; when every fit has one it takes the
+// first and waits as before. A plain unmap waiting its turn on cuda_vmm's thread does not count
+// (it runs within a few hundred microseconds): the first version of this rule (6eaed44) counted
+// those too, so on the H200 it passed best fits over for waits of no consequence, and the
+// simulated device, which has no such thread, could not show it. Since session 20 the hint means
+// the same on both backends (BackgroundUnmapper::behind_stream_work).
 // Measured (bench/results/defrag_queued_unmaps_2026-12-04_session19.md):
 //   H200, llm_serve (peak device memory, 2 runs): move_pending + this 10,960 / 10,966 MiB,
 //   17-39 ms per step in the allocator; expandable segments 11,162 / 11,170; the default
 //   11,826 / 11,830 (56-57 ms per step; an earlier call, binaries 8c87318, whose default
 //   path this setting leaves as it was)
-//   H200, e2e gpt2: 17,656 / 17,718 MiB with move_pending + this, 17,614 / 17,600 with this
-//   alone, against 17,572 in every earlier run of the default and expandable's 17,578-17,580:
-//   passing the best fit over spreads a training step's layout
+//   H200, e2e gpt2, first version: 17,656 / 17,718 MiB with move_pending + this, 17,614 /
+//   17,600 with this alone, against 17,572 in every earlier run of the default and expandable's
+//   17,578-17,580: passing the best fit over spreads a training step's layout
+//   H200, this version with move_pending (bench/results/e2e_h200_2026-12-04_s20{a,b}.md, 3 runs
+//   each): gpt2 17,572-17,574 (the default 17,572); llm_serve 10,958 / 10,960 / 11,434 (the
+//   default 11,626 / 11,142 / 11,032, expandable 11,162 in every run); vit_ckpt 3,420-3,444
+//   (default 3,432-3,446, expandable 3,458); but llm_generate 3,692-3,710 (default 3,672-3,678,
+//   expandable 3,668) and the pipeline 3,552-3,632 (default 3,556-3,638)
 //   replayed, development set at GPU lags 0 / 2 / 100 / 400 ms (bench/validation/devset.py, 88
 //   pairs, peak reserved / peak requested): move_pending alone mean 1.0418, 58 pairs at most
 //   1.02; with this 1.0386, 60 (llm_serve at 100 ms 1.082 -> 1.025); e2e gpt2 1.004 -> 1.008
 //   at 2 ms, above expandable's 1.005
-// So it is a setting for serving jobs (with move_pending), not the default: the default keeps
-// the training workloads of issue 5's end-to-end bar below expandable segments.
+// So it is a setting for serving jobs (with move_pending), not the default: it wins on
+// llm_serve in most runs, but not in every one, and loses on llm_generate.
 //
 // Note [Failures while growing]
 // Pages are gathered first (created, or unmapped from holes, which leaves consistent unmapped

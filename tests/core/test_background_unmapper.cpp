@@ -211,3 +211,59 @@ TEST_CASE("background unmapper: a range is never mapped over while its unmap is 
   }
   CHECK(u.completed() > 100);
 }
+
+TEST_CASE("background unmapper: behind_stream_work names only ranges that wait for a stream",
+          "[core][unmapper]") {
+  // Placement's hint (Note [Placing away from queued unmaps], defrag_grow.cpp): an unmap tagged
+  // with a stream's work, or queued behind one, may keep a map waiting as long as the stream
+  // runs; a plain unmap waiting its turn does not.
+  Gate first_unmap;
+  Gate stream_work;
+  std::mutex m;
+  std::vector<std::string> order;
+  BackgroundUnmapper u(
+      [&](std::uintptr_t va, std::size_t) {
+        if (va == 0x1000) {
+          first_unmap.wait();
+        }
+        std::lock_guard lock(m);
+        order.push_back("unmap " + std::to_string(va));
+        return std::string();
+      },
+      {},
+      [&](std::uint64_t after) {
+        stream_work.wait();
+        std::lock_guard lock(m);
+        order.push_back("wait " + std::to_string(after));
+        return std::string();
+      });
+  u.post(0x1000, 0x1000);     // running, held in its unmap
+  u.post(0x2000, 0x1000);     // queued, waits only its turn
+  u.post(0x3000, 0x1000, 7);  // waits for the stream's work
+  u.post(0x4000, 0x1000);     // queued behind it
+  for (std::uintptr_t va : {0x1000U, 0x2000U, 0x3000U, 0x4000U}) {
+    CHECK(u.overlaps(va, 0x1000));
+  }
+  CHECK_FALSE(u.behind_stream_work(0x1000, 0x1000));
+  CHECK_FALSE(u.behind_stream_work(0x2000, 0x1000));
+  CHECK(u.behind_stream_work(0x3000, 0x1000));
+  CHECK(u.behind_stream_work(0x3800, 0x1000));  // overlaps both
+  CHECK(u.behind_stream_work(0x4000, 0x1000));
+  CHECK_FALSE(u.behind_stream_work(0x5000, 0x1000));
+  CHECK_FALSE(u.behind_stream_work(0x1000, 0x2000));
+  first_unmap.open();
+  // The worker reaches the tagged range and waits there for the stream.
+  for (int i = 0; i < 2000 && u.completed() < 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  REQUIRE(u.completed() == 2);
+  CHECK_FALSE(u.overlaps(0x2000, 0x1000));
+  CHECK(u.behind_stream_work(0x3000, 0x1000));  // running, still inside the wait
+  CHECK(u.behind_stream_work(0x4000, 0x1000));
+  stream_work.open();
+  u.drain();
+  CHECK_FALSE(u.behind_stream_work(0x3000, 0x2000));
+  std::lock_guard lock(m);
+  CHECK(order == std::vector<std::string>{"unmap 4096", "unmap 8192", "wait 7", "unmap 12288",
+                                          "unmap 16384"});
+}

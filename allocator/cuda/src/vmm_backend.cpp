@@ -168,7 +168,7 @@ std::size_t CudaVmmBackend::pending_unmaps() const noexcept {
 
 bool CudaVmmBackend::unmap_queued(std::uintptr_t va, std::size_t bytes) const noexcept {
   try {
-    return unmapper_ != nullptr && unmapper_->overlaps(va, bytes);
+    return unmapper_ != nullptr && unmapper_->behind_stream_work(va, bytes);
   } catch (...) {  // a failed lock: only a hint, the map waits as before
     return false;
   }

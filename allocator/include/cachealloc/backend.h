@@ -106,9 +106,9 @@ class VirtualMemory {
   void unmap_after(std::uintptr_t va, std::size_t bytes, StreamId stream);
   /// Whether unmap_after() returns without waiting for the stream.
   [[nodiscard]] virtual bool unmaps_after_streams() const noexcept { return false; }
-  /// Whether an unmap that has not run yet (unmap_after() behind its stream's work, or
-  /// cuda_vmm's background thread) overlaps [va, va + bytes): a map there now would wait for it.
-  /// A hint for placement (Note [Placing away from queued unmaps], defrag_grow.cpp).
+  /// Whether an unmap still waiting for a stream's work (unmap_after(), or on cuda_vmm's thread
+  /// an unmap queued behind one) overlaps [va, va + bytes): a map there now would wait for that
+  /// work. A hint for placement (Note [Placing away from queued unmaps], defrag_grow.cpp).
   [[nodiscard]] virtual bool unmap_queued(std::uintptr_t /*va*/, std::size_t /*bytes*/) const noexcept {
     return false;
   }

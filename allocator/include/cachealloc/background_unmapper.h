@@ -78,6 +78,11 @@ class BackgroundUnmapper {
 
   /// Whether a queued or running unmap overlaps [va, va + bytes) (wait_for() would block).
   [[nodiscard]] bool overlaps(std::uintptr_t va, std::size_t bytes) const;
+  /// Whether an unmap overlapping [va, va + bytes) waits for a stream's work: it has an `after`
+  /// tag whose wait has not returned, or is queued behind one (the worker runs the queue in
+  /// order). A wait_for() there may block for as long as the stream runs behind the host; an
+  /// unmap that only waits its turn costs a few hundred microseconds at most.
+  [[nodiscard]] bool behind_stream_work(std::uintptr_t va, std::size_t bytes) const;
   /// Unmaps queued or running now.
   [[nodiscard]] std::size_t pending() const noexcept { return pending_.load(std::memory_order_acquire); }
   /// Time the worker spent inside UnmapFn, in nanoseconds (steady clock).
@@ -98,7 +103,8 @@ class BackgroundUnmapper {
   };
   void run();
   /// WaitFn for `r.after` (when set), then UnmapFn; the first error's text, or empty.
-  std::string execute(const Range& r);
+  /// On the worker (`on_worker`), clears running_waits_ once WaitFn returned.
+  std::string execute(const Range& r, bool on_worker);
   [[nodiscard]] bool overlapping_locked(std::uintptr_t va, std::size_t bytes) const noexcept;
   void rethrow_locked();  // throws DeviceError once for a recorded failure
 
@@ -110,6 +116,7 @@ class BackgroundUnmapper {
   std::condition_variable done_;  // callers wait for unmaps to finish
   std::deque<Range> queue_;
   Range running_;
+  bool running_waits_ = false;  // the worker is inside WaitFn for running_.after
   bool stop_ = false;
   std::string failure_;
   std::thread thread_;

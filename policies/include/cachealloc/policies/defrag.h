@@ -46,8 +46,8 @@
 //                     (cuda_vmm with background_unmap, the simulated device) (default False;
 //                     Note [Moving pages a stream still uses], background_unmapper.h)
 //   avoid_queued_unmaps  place a block that needs pages mapped past unmapped holes whose
-//                     unmap has not run yet (behind a stream's work, or on cuda_vmm's thread),
-//                     instead of waiting for it there; for serving jobs, with move_pending
+//                     unmap still waits for a stream's work (move_pending's), instead of
+//                     waiting for that work there; for serving jobs, with move_pending
 //                     (default False; Note [Placing away from queued unmaps], defrag_grow.cpp)
 //   max_chunk_mb      the largest physical handle created, in MiB (default 1024; rounded down
 //                     to whole pages; the page size, 2 on the H200, gives one handle per page:
