@@ -428,6 +428,9 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
       r.detail += ", " + std::to_string(d.pages_moved_pending) +
                   " of the pages moved from holes their stream's work still used";
     }
+    if (d.pending_switches != 0) {  // Note [Waits that switch to moving pending]
+      r.detail += ", switched to moving pending";
+    }
     if (d.placed_past_queued != 0) {  // Note [Placing away from queued unmaps]
       r.detail += ", " + std::to_string(d.placed_past_queued) +
                   " growths placed past a hole whose unmap had not run yet";

@@ -735,8 +735,8 @@ void DefragEngine::make_live(Node* n) noexcept {
 
 std::vector<std::string_view> DefragPolicy::config_keys() {
   return {"va_reserve_gb", "grow_slack", "max_grow_slack", "move_budget", "small_size",
-          "wait_for_streams", "move_pending", "avoid_queued_unmaps", "max_chunk_mb",
-          "keep_small_mb"};
+          "wait_for_streams", "move_pending", "pending_on_waits", "avoid_queued_unmaps",
+          "max_chunk_mb", "keep_small_mb"};
 }
 
 DefragSettings DefragPolicy::parse_settings(Config& config) {
@@ -766,6 +766,9 @@ DefragSettings DefragPolicy::parse_settings(Config& config) {
   }
   if (auto pending = config.take_bool("move_pending")) {
     s.move_pending = *pending;
+  }
+  if (auto on_waits = config.take_bool("pending_on_waits")) {
+    s.pending_on_waits = *on_waits;
   }
   if (auto avoid = config.take_bool("avoid_queued_unmaps")) {
     s.avoid_queued_unmaps = *avoid;
@@ -812,7 +815,7 @@ std::vector<std::pair<std::string, std::int64_t>> DefragPolicy::stat_counters() 
           {"defrag.stream_waits", v(c.stream_waits)},     {"defrag.wait_ns", v(c.wait_ns)},
           {"defrag.move_ns", v(c.move_ns)},               {"defrag.slack_raises", v(c.slack_raises)},
           {"defrag.budget_raises", v(c.budget_raises)},   {"defrag.return_raises", v(c.return_raises)},
-          {"defrag.slack_returns", v(c.slack_returns)},
+          {"defrag.slack_returns", v(c.slack_returns)},   {"defrag.pending_switches", v(c.pending_switches)},
           {"defrag.beyond_slack_growths", v(c.beyond_slack_growths)},
           {"defrag.beyond_slack_pages", v(c.beyond_slack_pages)},
           {"defrag.stuck_unsafe_pages", v(c.stuck_unsafe_pages)},

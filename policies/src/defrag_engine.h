@@ -361,7 +361,11 @@ class alignas(64) DefragEngine {
   std::uint64_t budget_start_ns_ = 0;
   std::uint64_t budget_spent_ns_ = 0;
   std::uint64_t budget_moves_ = 0;
+  std::uint64_t budget_wait_ns_ = 0;  ///< of budget_spent_ns_ before the bank paid, the waits
+  std::uint64_t budget_raw_ns_ = 0;   ///< budget_spent_ns_ before the bank paid
   bool budget_open_ = false;
+  /// Note [Waits that switch to moving pending]: moving pending from now on.
+  bool pending_mode_ = false;
   /// Note [A raise that comes back]: the quiet time (no charged growth: one below the peak that
   /// moved pages or waited) after which the slack returns to slack_before_budget_ (0: no raise
   /// to undo), and when the last such growth ended.
@@ -371,7 +375,8 @@ class alignas(64) DefragEngine {
   /// Note [Quiet time pays for a burst]: budget earned in quiet time and not yet spent, in ns.
   double bank_ns_ = 0.0;
   void lower_slack_if_quiet(std::uint64_t now_ns) noexcept;
-  void note_move_time(std::uint64_t now_ns, std::uint64_t spent_ns) noexcept;
+  void note_move_time(std::uint64_t now_ns, std::uint64_t spent_ns,
+                      std::uint64_t waited_ns) noexcept;
   /// The slack times `factor` (at least 0.005, at most max_grow_slack), counted as a raise.
   void raise_slack(double factor = 2.0) noexcept;
   /// Sets the slack, counted as a raise (slack_raises, and the slack figure in counters_).

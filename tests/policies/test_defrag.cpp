@@ -410,11 +410,14 @@ TEST_CASE("defrag: settings come from CACHEALLOC_CONF and are validated", "[defr
   CHECK_FALSE(d.move_pending);
   CHECK(settings_from("move_pending:True").move_pending);
   CHECK_THROWS_AS(settings_from("move_pending:often"), ConfigError);
-  CHECK_FALSE(d.avoid_queued_unmaps);
-  CHECK(settings_from("avoid_queued_unmaps:True").avoid_queued_unmaps);
+  CHECK(d.pending_on_waits);
+  CHECK_FALSE(settings_from("pending_on_waits:False").pending_on_waits);
+  CHECK_THROWS_AS(settings_from("pending_on_waits:sometimes"), ConfigError);
+  CHECK(d.avoid_queued_unmaps);
+  CHECK_FALSE(settings_from("avoid_queued_unmaps:False").avoid_queued_unmaps);
   CHECK_THROWS_AS(settings_from("avoid_queued_unmaps:2"), ConfigError);
   const auto keys = DefragPolicy::config_keys();
-  CHECK(keys.size() == 10);
+  CHECK(keys.size() == 11);
 }
 
 TEST_CASE("defrag: keep_small_mb keeps freed small blocks for their stream and size",
@@ -618,7 +621,8 @@ TEST_CASE("defrag: pages under free holes move where memory is needed", "[defrag
   CHECK(m.at("defrag.beyond_slack_pages") == static_cast<std::int64_t>(after.beyond_slack_pages));
   CHECK(m.at("defrag.stuck_pinned_pages") == static_cast<std::int64_t>(after.stuck_pinned_pages));
   CHECK(m.at("defrag.placed_past_queued") == static_cast<std::int64_t>(after.placed_past_queued));
-  CHECK(m.size() == 23);
+  CHECK(m.at("defrag.pending_switches") == 0);  // move_pending was set, not switched to
+  CHECK(m.size() == 24);
 }
 
 TEST_CASE("defrag: a growth is placed away from a range whose unmap still waits for its stream",

@@ -262,6 +262,41 @@ TEST_CASE("replay: defrag reports its counters, and a lagging GPU makes its wait
 }
 #endif
 
+#ifdef CACHEALLOC_HAS_DEFRAG
+TEST_CASE("replay: defrag stops waiting for a stream that runs far behind, not for one close by",
+          "[replay][defrag]") {
+  // Note [Waits that switch to moving pending] (defrag_grow.cpp): the held-out serving recording
+  // with the GPU 100 ms behind the host spends its move budget waiting for its stream; the
+  // policy then moves those pages pending instead of raising the slack. With the switch off it
+  // raises the slack and holds far more. The e2e GPT-2 recording with a 2 ms lag never switches.
+  const auto serve = trace::read_snapshot(std::string(CACHEALLOC_VALIDATION_DIR) +
+                                          "/recordings/llm_serve.pickle.xz");
+  const replay::PreparedTrace t = replay::prepare(serve, "llm_serve");
+  replay::ReplayOptions opts;
+  opts.gpu_lag_us = 100'000;
+  opts.check_every = 997;
+  const replay::PolicyResult switched = replay::run(t, "defrag", "", opts);
+  const replay::PolicyResult waiting = replay::run(t, "defrag", "pending_on_waits:False", opts);
+  REQUIRE(switched.error.empty());
+  REQUIRE(waiting.error.empty());
+  INFO(switched.detail << "\n" << waiting.detail);
+  CHECK(switched.detail.find("switched to moving pending") != std::string::npos);
+  CHECK(waiting.detail.find("switched to moving pending") == std::string::npos);
+  const auto ratio = [&](const replay::PolicyResult& r) {
+    return static_cast<double>(r.peak_reserved) / static_cast<double>(t.peak_requested);
+  };
+  CHECK(ratio(switched) <= 1.02);
+  CHECK(ratio(switched) + 0.05 < ratio(waiting));
+
+  const auto gpt2 = trace::read_snapshot(std::string(CACHEALLOC_E2E_RECORDINGS_DIR) + "/e2e_gpt2.pickle.xz");
+  const replay::PreparedTrace g = replay::prepare(gpt2, "e2e_gpt2");
+  opts.gpu_lag_us = 2'000;
+  const replay::PolicyResult training = replay::run(g, "defrag", "", opts);
+  INFO(training.detail);
+  CHECK(training.detail.find("switched to moving pending") == std::string::npos);
+}
+#endif
+
 TEST_CASE("replay: each stream's own peak of requested bytes, and their sum", "[replay]") {
   // Stream 1 peaks at 100 bytes, stream 2 at 130 bytes, never together: the peak of the sum is
   // 150 (both streams' first blocks), the sum of the peaks 230.

@@ -45,10 +45,13 @@
 //                     addresses once the stream's queued work is done, where the backend can
 //                     (cuda_vmm with background_unmap, the simulated device) (default False;
 //                     Note [Moving pages a stream still uses], background_unmapper.h)
+//   pending_on_waits  switch to move_pending for good once waiting for the stream has put the
+//                     moves over move_budget (default True; Note [Waits that switch to moving
+//                     pending], defrag_grow.cpp)
 //   avoid_queued_unmaps  place a block that needs pages mapped past unmapped holes whose
-//                     unmap still waits for a stream's work (move_pending's), instead of
-//                     waiting for that work there; for serving jobs, with move_pending
-//                     (default False; Note [Placing away from queued unmaps], defrag_grow.cpp)
+//                     unmap still waits for a stream's work (pages moved pending), instead of
+//                     waiting for that work there (default True; Note [Placing away from
+//                     queued unmaps], defrag_grow.cpp)
 //   max_chunk_mb      the largest physical handle created, in MiB (default 1024; rounded down
 //                     to whole pages; the page size, 2 on the H200, gives one handle per page:
 //                     every page can move alone, but each costs its own cuMemCreate and cuMemMap)
@@ -129,8 +132,10 @@ struct DefragSettings {
   std::size_t small_size = 1 * kMiB;
   bool wait_for_streams = true;
   bool move_pending = false;  ///< Note [Moving pages a stream still uses]
+  /// Note [Waits that switch to moving pending] (defrag_grow.cpp)
+  bool pending_on_waits = true;
   /// Note [Placing away from queued unmaps] (defrag_grow.cpp)
-  bool avoid_queued_unmaps = false;
+  bool avoid_queued_unmaps = true;
   std::size_t max_chunk_bytes = 1 * kGiB;  ///< largest physical handle; one page = per-page handles
   std::size_t keep_small_bytes = 0;  ///< freed small blocks kept for reuse at their size (0: none)
 };
@@ -160,6 +165,9 @@ struct DefragCounters {
   std::uint64_t budget_raises = 0;     ///< of which on time (Note [A time budget for moves])
   std::uint64_t return_raises = 0;     ///< of which for pages coming back (Note [Pages that come back])
   std::uint64_t slack_returns = 0;     ///< on-time raises undone after quiet (Note [A raise that comes back])
+  /// 1 once waits for the allocating stream put a window over the move budget and the policy
+  /// moved pending from then on (Note [Waits that switch to moving pending], defrag_grow.cpp).
+  std::uint64_t pending_switches = 0;
   /// Growths that created pages beyond the slack because no more could be moved, and the pages
   /// they created; at each, the whole free pages held elsewhere, summed over them, by why they
   /// did not move (Note [Why pages were created beyond the slack], defrag_grow.cpp).
