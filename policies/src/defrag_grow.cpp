@@ -15,9 +15,10 @@
 //      but not from the other kind's range when this range lent it pages below the peak: then
 //      new pages beyond the slack (Note [Pages that come back]);
 //   4. after waiting for the allocating stream's oldest epochs that free enough of its own recent
-//      holes (wait_for_streams; never another stream's), those pages; with move_pending, where
-//      the backend unmaps after a stream, those pages at once, their old addresses unmapped
-//      when the stream's work is done (Note [Moving pages a stream still uses],
+//      holes (wait_for_streams; never another stream's), those pages; with move_pending (or once
+//      such waits put the moves over their budget: Note [Waits that switch to moving pending]),
+//      where the backend unmaps after a stream, those pages at once, their old addresses
+//      unmapped when the stream's work is done (Note [Moving pages a stream still uses],
 //      background_unmapper.h);
 //   5. new physical pages, or nothing (the front end's retry chain takes over).
 // Only pages entirely inside a free hole move; a page shared with a live block stays. So
@@ -131,8 +132,10 @@
 //   pairs, peak reserved / peak requested): move_pending alone mean 1.0418, 58 pairs at most
 //   1.02; with this 1.0386, 60 (llm_serve at 100 ms 1.082 -> 1.025); e2e gpt2 1.004 -> 1.008
 //   at 2 ms, above expandable's 1.005
-// So it is a setting for serving jobs (with move_pending), not the default: it wins on
-// llm_serve in most runs, but not in every one, and loses on llm_generate.
+// With move_pending always on, it wins on llm_serve in most runs, but not in every one, and
+// loses on llm_generate. Since session 20 it is on by default: it acts only on pages moved
+// pending, which the default does only once waits for the stream proved costly (Note [Waits
+// that switch to moving pending]), in serving jobs.
 //
 // Note [Failures while growing]
 // Pages are gathered first (created, or unmapped from holes, which leaves consistent unmapped
@@ -691,6 +694,17 @@ void DefragEngine::note_move_time(std::uint64_t now_ns, std::uint64_t spent_ns,
 // waits are short and cheap. avoid_queued_unmaps is on by default with it: it only matters once
 // pages move pending (no other unmap waits for a stream), and the maps into just-left ranges
 // are what made move_pending alone wait (Note [Placing away from queued unmaps]).
+// Measured: replayed over the development set (22 recordings x GPU lags 0 / 2 / 100 ms, peak
+// reserved / peak requested), mean 1.0443 -> 1.0360, at most 1.02 on 41 -> 48 of 66 pairs,
+// below the expandable model on 46 -> 53; nothing changes at lag 0 (waits cost nothing) nor for
+// the e2e gpt2 and pipeline recordings at 2 ms; llm_serve at 100 ms 1.132 -> 1.015; higher on 9
+// pairs, most of all llm_generate (recordings_b) at 2 ms, 1.020 -> 1.040. On the H200
+// (bench/results/e2e_h200_2026-12-04_s20c.md, _s20d.md; peak device memory, the default against
+// expandable segments): llm_serve switched in every run, 10,946-10,980 MiB against 11,162, at
+// 0.93% of the step in the allocator (1.55-1.80% before); llm_generate switched in 3 of 7 runs,
+// 3,634 MiB each time, 3,672-3,678 when it did not, against 3,668; the training workloads never
+// switched, so they ran the earlier default's code (gpt2 17,572, resnet50 3,326; vit_ckpt 3,378
+// on that host against 3,420-3,446 in the calls before, the time budget's host dependence).
 //
 // Note [A raise that comes back]
 // The time budget judges moves over windows of a few dozen milliseconds, so that a job that
