@@ -182,7 +182,8 @@ COUNTER_KEYS = ("allocator_ns", "alloc_calls", "free_calls", "num_device_alloc",
                 "defrag.pages_moved", "defrag.chunks_moved", "defrag.stream_waits", "defrag.wait_ns",
                 "defrag.move_ns", "defrag.grow_allocations", "defrag.pages_created", "defrag.slack_raises",
                 "defrag.pages_moved_pending", "defrag.placed_past_queued",
-                "defrag.return_raises", "defrag.slack_returns", "defrag.pending_switches",
+                "defrag.budget_raises", "defrag.return_raises", "defrag.slack_returns",
+                "defrag.pending_switches",
                 # the front end's step memo (Note [The step memo], allocator.h)
                 "memo.served", "memo.entries", "memo.exits", "memo.replayed", "memo.verify_started",
                 "memo.verify_differed", "memo.verify_not_quiet", "memo.verify_stream",
@@ -638,6 +639,8 @@ def run_workload(spec: dict[str, Any]) -> dict[str, Any]:
             result["counters_delta"] = delta
             if "defrag.pending_switches" in after:  # switched in warm-up or measured steps alike
                 result["defrag_pending_switches"] = after["defrag.pending_switches"]
+                # the whole run's (warm-up included): what the time budget decided, and when
+                result["defrag_counters_run"] = {k: v for k, v in after.items() if k.startswith("defrag.")}
             if "allocator_ns" in delta and kind in ("plugin", "full"):
                 result["allocator_ns_per_step"] = delta["allocator_ns"] / steps
                 result["allocator_pct_of_step"] = 100.0 * delta["allocator_ns"] / steps / (median_step * 1e9)
