@@ -605,6 +605,7 @@ void DefragEngine::raise_slack_to(double slack) noexcept {
 void DefragEngine::note_move_time(std::uint64_t now_ns, std::uint64_t spent_ns,
                                   std::uint64_t waited_ns) noexcept {
   counters_.move_ns += spent_ns;
+  const std::uint64_t charged_ns = spent_ns;  // before the bank pays part of it
   if (settings_.move_budget >= 1.0) {
     return;
   }
@@ -627,8 +628,8 @@ void DefragEngine::note_move_time(std::uint64_t now_ns, std::uint64_t spent_ns,
     budget_wait_ns_ = 0;
     budget_raw_ns_ = 0;
   }
-  budget_raw_ns_ += spent_ns + static_cast<std::uint64_t>(paid);
-  budget_wait_ns_ += std::min(waited_ns, spent_ns + static_cast<std::uint64_t>(paid));
+  budget_raw_ns_ += charged_ns;
+  budget_wait_ns_ += std::min(waited_ns, charged_ns);
   budget_spent_ns_ += spent_ns;
   ++budget_moves_;
   const std::uint64_t elapsed = now_ns - budget_start_ns_;
@@ -645,14 +646,14 @@ void DefragEngine::note_move_time(std::uint64_t now_ns, std::uint64_t spent_ns,
     return;  // moves come in bursts: judge them over several, and over a while
   }
   const double allowed = settings_.move_budget * static_cast<double>(elapsed);
-  if (static_cast<double>(budget_spent_ns_) > allowed && !pending_mode_ &&
-      settings_.pending_on_waits && settings_.wait_for_streams && vm_.unmaps_after_streams() &&
-      2 * budget_wait_ns_ > budget_raw_ns_) {
+  const bool over_budget = static_cast<double>(budget_spent_ns_) > allowed;
+  if (over_budget && !pending_mode_ && settings_.pending_on_waits && settings_.wait_for_streams &&
+      vm_.unmaps_after_streams() && 2 * budget_wait_ns_ > budget_raw_ns_) {
     // Note [Waits that switch to moving pending]: over the budget mostly by waiting for the
     // stream: stop waiting rather than hold more memory.
     pending_mode_ = true;
     counters_.pending_switches = 1;
-  } else if (static_cast<double>(budget_spent_ns_) > allowed && slack_ < settings_.max_grow_slack) {
+  } else if (over_budget && slack_ < settings_.max_grow_slack) {
     // Over the budget by a factor f: the slack grows by f / 4 (2 to 16), not by 2 whatever f
     // was. A job far over it reaches the slack that stops its moves within a window or two
     // instead of one doubling per window (Note [How fast the slack rises]).

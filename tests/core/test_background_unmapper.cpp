@@ -97,7 +97,8 @@ TEST_CASE("background unmapper: wait_for blocks only on an overlapping range", "
   });
   u.post(0x10000, 0x4000);  // [0x10000, 0x14000), held at the gate
   CHECK(u.pending() == 1);
-  // overlaps() says which ranges a wait_for() would block on (placement's hint).
+  // overlaps() says which ranges a wait_for() would block on (placement's hint is the narrower
+  // behind_stream_work(), tested below).
   CHECK(u.overlaps(0x13000, 0x2000));
   CHECK(u.overlaps(0x10000, 0x4000));
   CHECK_FALSE(u.overlaps(0x14000, 0x1000));
