@@ -117,8 +117,11 @@ Steps (Note [Steps and warm-up]): defaults per workload, --steps/--warmup N over
             attention kernel selection, lazy kernel loading, AdamW state on the first step).
   resnet50  warm-up 4, 20 measured (~20 ms). Fixed shapes: every allocator is in steady state
             after the first two steps (cuDNN workspaces and momentum buffers exist).
-  pipeline  warm-up 4, 20 measured (~10-20 ms). Batch size changes every step; the warm-up
-            covers the side stream's first record_stream hand-overs.
+  pipeline  warm-up 4, 60 measured (~6-12 ms). Batch size changes every step; the warm-up
+            covers the side stream's first record_stream hand-overs. A layout that adapts keeps
+            changing for dozens of steps: with 20 measured steps (sessions 10-20) defrag was
+            judged on its first ones, below expandable segments over steps 5-24 and above them
+            over steps 5-64 (bench/results/defrag_session21_2026-12-04.md). 60 cost ~0.5 s a run.
   The held-out workloads of bench/validation/workloads.py run too when named in --workloads
   (never by default): llm_generate, llm_serve, moe_train, unet_train, vit_ckpt, lstm_lm,
   compiled_gpt, cudagraph_mlp, with the warm-up and measured steps of VALIDATION_STEPS (a step of
@@ -158,7 +161,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 TOOLS = REPO / "tools"
 DEFAULT_WORKLOADS = ("gpt2", "resnet50", "pipeline")
-STEP_DEFAULTS = {"gpt2": (3, 8), "resnet50": (4, 20), "pipeline": (4, 20)}  # (warm-up, measured)
+STEP_DEFAULTS = {"gpt2": (3, 8), "resnet50": (4, 20), "pipeline": (4, 60)}  # (warm-up, measured)
 # bench/validation/workloads.py: held-out jobs, run only when named (Note [Steps and warm-up])
 VALIDATION_DIR = REPO / "bench" / "validation"
 VALIDATION_STEPS = {"llm_generate": (1, 5), "llm_serve": (1, 4), "moe_train": (4, 16), "unet_train": (4, 12),
@@ -1334,7 +1337,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "each optionally +timed (not cachealloc:<p>), +env:NAME=VALUE, cachealloc ones +key:value "
                         "(default: the first three and cachealloc:<p> for every registered policy)")
     p.add_argument("--steps", type=int, default=None,
-                   help="measured steps per run, every workload (default per workload: gpt2 8, resnet50 20, pipeline 20)")
+                   help="measured steps per run, every workload (default per workload: gpt2 8, resnet50 20, pipeline 60)")
     p.add_argument("--warmup", type=int, default=None,
                    help="warm-up steps per run, not measured (default per workload: gpt2 3, resnet50 4, pipeline 4)")
     p.add_argument("--min-steps", type=int, default=5, help="--time-budget-s never shrinks measured steps below this")

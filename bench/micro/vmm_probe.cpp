@@ -18,12 +18,36 @@
 //                      cannot map (map_at_offset), so that line said nothing about the release.
 // With map_at_offset accepted, a chunk (one handle of several pages) could give its free pages
 // to another address while a live block pins the rest, at the cost of one map and no unmap.
+//
+// Note [Mapping behind a stream wait]
+// Each page move costs the allocating thread a cuMemMap + cuMemSetAccess (55-70 us on the H200),
+// which is what keeps the two-stream pipeline of bench/e2e above 1% of its step
+// (bench/results/defrag_session21_2026-12-04.md). A move could instead hand out its address at
+// once and have the map made by another thread, if the allocating stream first waits (a
+// cuStreamWaitValue64 on a host-mapped word) for that thread to say the pages are mapped: the
+// kernels queued behind the wait run only after the map. Whether the driver allows it is what
+// these questions ask, each under a 10 s watchdog that releases the stream itself (a map that
+// blocks until the waiting stream drains would deadlock the design):
+//   map_behind_wait        a kernel queued behind the wait fills pages mapped only after it was
+//                          queued, by another thread; a second kernel checks the pattern. "ok"
+//                          needs the map to return, the stream to finish without error and no
+//                          word to differ. The median is the cost of enqueuing the wait.
+//   map_behind_wait_unmap  the same while a third thread unmaps another busy mapping (the
+//                          background unmapper's work) at the moment the stream is held.
+// Run last: a kernel that touched unmapped pages would leave the context unusable.
 #include "../../allocator/cuda/src/driver_api.h"
 
 #include <cuda_runtime_api.h>
 
+#if CACHEALLOC_PROBE_KERNELS
+#include "../../tests/gpu/kernels.h"
+#endif
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <future>
+#include <thread>
 #include <cstdio>
 #include <exception>
 #include <stdexcept>
@@ -81,6 +105,97 @@ struct Probe {
 double since_us(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
 }
+
+#if CACHEALLOC_PROBE_KERNELS
+// Note [Mapping behind a stream wait]: one round. The stream spins (so the host is ahead of it),
+// waits for *flag >= 1, fills [va, va + bytes) and checks it; only then does another thread map
+// the pages and set the flag. With `unmap_busy`, a third thread unmaps that (mapped, untouched)
+// range at the same moment. Returns the line to print.
+std::string map_behind_wait(Probe& p, CUdeviceptr va, std::size_t bytes, CUmemGenericAllocationHandle h,
+                            CUdeviceptr busy, std::size_t busy_bytes, bool unmap_busy,
+                            std::vector<double>& enqueue_us) {
+  namespace gt = cachealloc::gpu_test;
+  if (p.api.stream_wait_value64 == nullptr) {
+    return "rejected (the driver has no cuStreamWaitValue64)";
+  }
+  std::uint64_t* flag = nullptr;
+  if (cudaHostAlloc(reinterpret_cast<void**>(&flag), sizeof(std::uint64_t), cudaHostAllocMapped) != cudaSuccess) {
+    return "rejected (cudaHostAlloc mapped failed)";
+  }
+  *flag = 0;
+  void* dflag = nullptr;
+  unsigned long long* mismatches = nullptr;
+  cudaStream_t s = nullptr;
+  std::string verdict;
+  if (cudaHostGetDevicePointer(&dflag, flag, 0) != cudaSuccess ||
+      cudaMalloc(reinterpret_cast<void**>(&mismatches), sizeof *mismatches) != cudaSuccess ||
+      cudaMemset(mismatches, 0, sizeof *mismatches) != cudaSuccess ||
+      cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) {
+    cudaFreeHost(flag);
+    return "rejected (setup failed)";
+  }
+  gt::launch_spin(2'000'000, s);  // about 1 ms at 2 GHz: the kernels below are queued ahead
+  const auto t0 = std::chrono::steady_clock::now();
+  const CUresult wr = p.api.stream_wait_value64(reinterpret_cast<CUstream>(s),
+                                                reinterpret_cast<CUdeviceptr>(dflag), 1,
+                                                CU_STREAM_WAIT_VALUE_GEQ);
+  enqueue_us.push_back(since_us(t0));
+  if (wr != CUDA_SUCCESS) {
+    verdict = "rejected (cuStreamWaitValue64: " + error_text(p.api, wr) + ")";
+  }
+  const cudaError_t fl = gt::launch_fill(reinterpret_cast<void*>(va), bytes, 7, 11, s);
+  const cudaError_t ve = gt::launch_verify(reinterpret_cast<void*>(va), bytes, 7, 11, mismatches, s);
+  if (verdict.empty() && (fl != cudaSuccess || ve != cudaSuccess)) {
+    verdict = std::string("rejected (launch: ") + cudaGetErrorName(fl != cudaSuccess ? fl : ve) + ")";
+  }
+  std::atomic<std::uint64_t>* word = reinterpret_cast<std::atomic<std::uint64_t>*>(flag);
+  std::future<CUresult> unmapper;
+  if (unmap_busy) {
+    unmapper = std::async(std::launch::async, [&] { return p.api.mem_unmap(busy, busy_bytes); });
+  }
+  auto mapper = std::async(std::launch::async, [&] {
+    const CUresult r = p.map(va, bytes, 0, h);
+    word->store(1, std::memory_order_release);
+    return r;
+  });
+  const bool returned = mapper.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+  if (!returned) {
+    word->store(1, std::memory_order_release);  // release the stream: the map waits for it
+    verdict = "rejected (deadlock: the map did not return while the stream waited)";
+  }
+  const CUresult mr = mapper.get();
+  if (verdict.empty() && mr != CUDA_SUCCESS) {
+    verdict = "rejected (cuMemMap: " + error_text(p.api, mr) + ")";
+  }
+  if (unmap_busy) {
+    const CUresult ur = unmapper.get();
+    if (verdict.empty() && ur != CUDA_SUCCESS) {
+      verdict = "rejected (cuMemUnmap on the third thread: " + error_text(p.api, ur) + ")";
+    }
+  }
+  const cudaError_t sync = cudaStreamSynchronize(s);
+  unsigned long long bad = 0;
+  if (sync == cudaSuccess) {
+    cudaMemcpy(&bad, mismatches, sizeof bad, cudaMemcpyDeviceToHost);
+  }
+  if (verdict.empty()) {
+    if (sync != cudaSuccess) {
+      verdict = std::string("rejected (the stream failed: ") + cudaGetErrorName(sync) + ")";
+    } else if (bad != 0) {
+      verdict = "rejected (" + std::to_string(bad) + " words differ)";
+    } else {
+      verdict = "ok";
+    }
+  }
+  if (sync == cudaSuccess) {
+    p.api.mem_unmap(va, bytes);
+    cudaStreamDestroy(s);
+    cudaFree(mismatches);
+    cudaFreeHost(flag);
+  }
+  return verdict;
+}
+#endif
 
 }  // namespace
 
@@ -157,6 +272,40 @@ int main() {
         p.must(api.mem_release(h), "cuMemRelease");
       }
     }
+#if CACHEALLOC_PROBE_KERNELS
+    // Note [Mapping behind a stream wait]: 16 pages, a fresh handle, five rounds each.
+    {
+      const std::size_t m = 16;
+      CUdeviceptr c = 0;
+      CUdeviceptr busy = 0;
+      CUmemGenericAllocationHandle hc = 0;
+      CUmemGenericAllocationHandle hb = 0;
+      p.must(api.mem_address_reserve(&c, m * p.page, 0, 0, 0), "cuMemAddressReserve");
+      p.must(api.mem_address_reserve(&busy, m * p.page, 0, 0, 0), "cuMemAddressReserve");
+      p.must(api.mem_create(&hc, m * p.page, &p.prop, 0), "cuMemCreate");
+      p.must(api.mem_create(&hb, m * p.page, &p.prop, 0), "cuMemCreate");
+      for (const bool with_unmap : {false, true}) {
+        std::vector<double> us;
+        std::string verdict = "ok";
+        for (int round = 0; round < 5 && verdict == "ok"; ++round) {
+          if (with_unmap) {
+            p.must(p.map(busy, m * p.page, 0, hb), "cuMemMap (busy)");
+          }
+          verdict = map_behind_wait(p, c, m * p.page, hc, busy, m * p.page, with_unmap, us);
+        }
+        std::vector<double> v = us;
+        std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+        std::printf("PROBE %s: %s median %.1f us over %zu (enqueuing the wait)\n",
+                    with_unmap ? "map_behind_wait_unmap" : "map_behind_wait", verdict.c_str(),
+                    v.empty() ? 0.0 : v[v.size() / 2], v.size());
+        if (verdict != "ok") {
+          break;  // the context may be unusable now
+        }
+      }
+    }
+#else
+    std::printf("PROBE map_behind_wait: not built (the GPU test kernels were not configured)\n");
+#endif
     p.must(api.mem_address_free(a, n * p.page), "cuMemAddressFree");
     p.must(api.mem_address_free(b, n * p.page), "cuMemAddressFree");
     return 0;
