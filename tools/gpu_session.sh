@@ -334,7 +334,8 @@ elif [[ $stage == probe ]]; then
   fi
   # What cuMemMap / cuMemUnmap accept (offsets into a handle, aliases, sub-ranges): one line each.
   if [[ -x $B/cachealloc-vmm-probe ]]; then
-    step vmm_probe 30 'grep -E "^PROBE" "$L" | tr "\n" " "' '"$B/cachealloc-vmm-probe"'
+    step vmm_probe 30 'grep -E "^PROBE" "$L" | sed -E "s/^PROBE //; s/ \(CUDA_ERROR_[A-Z_]+\)//; s/ over [0-9]+.*//" | tr "\n" ";"' \
+      '"$B/cachealloc-vmm-probe"'
   fi
   if [[ -n ${PYTEST_SELECT:-} ]]; then
     step pytest 120 'grep -hE "[0-9]+ (passed|failed)" "$WORK"/pytest_*.log' "env ${PROBE_ENV:-} bash -c pytest_tools"

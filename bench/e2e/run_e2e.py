@@ -106,7 +106,10 @@ What is measured, the same way for every configuration, in the run's process:
                        in growths that moved pages or waited). The report gives the median
                        step's allocator time, the heaviest step's share of the run's, and
                        the steps that made no device call (how many, and their median
-                       allocator time over the median step: the allocator's floor there).
+                       allocator time over the median step: the allocator's floor there);
+                       for runs of 30 measured steps or more also the allocator's share of
+                       each third of them, and the device calls in each (a policy still
+                       adapting early reads apart from one that settled).
   torch max_memory_reserved   torch.cuda.max_memory_reserved() at the end of the run: PyTorch's
                        own figure (native, expandable, async, and the LibTorch adapter); it
                        raises under the pluggable allocator (shown as –).
@@ -1005,6 +1008,24 @@ def _quiet_steps(r: dict[str, Any]) -> Optional[dict[str, Any]]:
     return {"steps": len(quiet), "of": len(ns), "ns": med, "pct": 100.0 * med / (r["median_step_s"] * 1e9)}
 
 
+def _thirds(r: dict[str, Any]) -> Optional[list[dict[str, Any]]]:
+    """A run of at least 30 measured steps cut in three: per third, the allocator's time over the
+    third's step time and its device calls, so that a policy still adapting in its first steps and
+    one that settled read apart (the pipeline: session 21). None for shorter runs."""
+    ns, steps = r.get("allocator_ns_steps") or [], r.get("step_s") or []
+    n = len(ns)
+    if n < 30 or len(steps) != n:
+        return None
+    calls = r.get("device_calls_steps") or []
+    k, w = n // 3, int(r.get("warmup") or 0)
+    out = []
+    for a, b in ((0, k), (k, 2 * k), (2 * k, n)):
+        t = sum(steps[a:b])
+        out.append({"first": w + a + 1, "last": w + b, "pct": 100.0 * sum(ns[a:b]) / (t * 1e9) if t > 0 else 0.0,
+                    "calls": sum(calls[a:b]) if len(calls) == n else None})
+    return out
+
+
 def summarize(results: list[dict[str, Any]], workloads: list[str], configs: list[str]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for wl in workloads:
@@ -1042,6 +1063,8 @@ def summarize(results: list[dict[str, Any]], workloads: list[str], configs: list
                 # Per run: the measured steps that made no device call (cachealloc), how many,
                 # and their median allocator time: the allocator's floor on this workload.
                 "quiet_steps": [q for r in ok if (q := _quiet_steps(r))],
+                # Per run of 30 measured steps or more: the allocator's share in each third.
+                "thirds": [t for r in ok if (t := _thirds(r))],
                 "counters_delta_per_step": {
                     k: statistics.median([r["counters_delta"][k] / r["steps"] for r in ok
                                           if k in r.get("counters_delta", {})])
@@ -1259,6 +1282,18 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any], meta: dict[str, 
                 else:
                     lines.append(f"- {cfg}: steps without a device call: none of the "
                                  f"{sum(q['of'] for q in qs)} measured steps")
+        thirds = [(cfg, r["thirds"]) for cfg, r in rows.items() if r.get("thirds")]
+        if thirds:
+            # Whether the allocator's time falls once a policy settles (medians over runs).
+            lines += [""]
+            for cfg, ts in thirds:
+                spans = " / ".join(f"{t['first']}-{t['last']}" for t in ts[0])
+                pcts = " / ".join(f"{statistics.median(t[i]['pct'] for t in ts):.2f}%" for i in range(3))
+                line = f"- {cfg}: allocator time by thirds of the measured steps ({spans}): {pcts} of their step time"
+                if all(t[i]["calls"] is not None for t in ts for i in range(3)):
+                    calls = " / ".join(f"{statistics.median(t[i]['calls'] for t in ts):g}" for i in range(3))
+                    line += f", device calls {calls}"
+                lines.append(line + " (medians over runs)")
         if heavy:
             # What the heaviest step of each run did (cachealloc: device calls, defrag's waits).
             lines += [""] + [
@@ -1314,8 +1349,15 @@ def shrink_steps(results: list[dict[str, Any]], steps: dict[str, tuple[int, int]
 
 def report_from(json_path: Path) -> int:
     """Regenerates the Markdown of a results .json (also of the older format, without counters)."""
-    data = json.loads(json_path.read_text())
-    saved = argparse.Namespace(**data["args"])
+    try:
+        data = json.loads(json_path.read_text())
+        saved = argparse.Namespace(**data["args"])
+        if not isinstance(data.get("runs"), list) or not isinstance(data.get("meta"), dict):
+            raise KeyError("runs or meta")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"run_e2e: --report-from {json_path}: cannot read it as a run_e2e results file "
+              f"({type(e).__name__}: {e}); pass the .json written next to an e2e_*.md", file=sys.stderr)
+        return 2
     meta = dict(data["meta"])
     meta.setdefault("steps", {})
     runs = data["runs"]

@@ -530,6 +530,50 @@ def test_e2e_report_shows_how_allocator_time_spreads_over_steps(tmp_path):
             "(1.00% of the median step; per run 1.00%)") in md, md
 
 
+
+def test_e2e_report_splits_long_runs_in_thirds(tmp_path):
+    """--report-from: a run of 30 measured steps or more gets the allocator's share of each third
+    of its steps (and the device calls in it), so a policy that is still adapting in its first
+    steps reads apart from one that settled; a file that is no results file is refused clearly."""
+    runner = REPO / "bench" / "e2e" / "run_e2e.py"
+    if not runner.is_file():
+        skip("bench/e2e/run_e2e.py is not in this checkout")
+    import json
+    # 30 steps of 10 ms: the first ten spend 500 us each in the allocator with 2 device calls,
+    # the next ten 200 us, the last ten 100 us without a call.
+    ns = [500_000] * 10 + [200_000] * 10 + [100_000] * 10
+    calls = [2] * 10 + [1] * 10 + [0] * 10
+    run = {"workload": "pipeline", "config": "cachealloc:defrag", "rep": 0, "steps": 30, "warmup": 4, "ok": True,
+           "median_step_s": 0.01, "step_s": [0.01] * 30, "peak_bytes": 3 << 30, "allocator_ns_per_step": 266_666.7,
+           "allocator_pct_of_step": 2.67, "device_calls_per_step": 1.0, "allocs_per_step": 50.0,
+           "allocator_ns_steps": ns, "device_calls_steps": calls, "counters_delta": {}}
+    short = dict(run, config="cachealloc:size_class", steps=29, step_s=[0.01] * 29, allocator_ns_steps=ns[:29],
+                 device_calls_steps=calls[:29])
+    meta = {"date": "2026-12-04T00:00:00", "host": "test", "command": "run_e2e.py", "driver": "-", "rounds_done": 1,
+            "steps": {"pipeline": [4, 30]}, "fork": {}, "gpu": "-", "torch": "-", "cuda": "-", "sampler": "nvml",
+            "elapsed_s": 1.0, "cachealloc_library": "-", "estimate": "-"}
+    args = {"workloads": "pipeline", "configs": "cachealloc:defrag", "steps": None, "warmup": None, "min_steps": 5,
+            "reps": 1, "seed": 0, "scale": "full", "device": "cuda", "sample_ms": 1.0, "timeout_s": 180.0,
+            "time_budget_s": 0.0, "no_fork": False, "zygote_timeout_s": 180.0, "out_dir": str(tmp_path), "tag": "t",
+            "dry_run": False, "report_from": None, "child": False, "spec": None, "zygote": False, "config": None}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"meta": meta, "args": args, "summary": {}, "runs": [run, short]}))
+    r = subprocess.run([sys.executable, str(runner), "--report-from", str(path)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    md = path.with_suffix(".md").read_text()
+    assert ("- cachealloc:defrag: allocator time by thirds of the measured steps (5-14 / 15-24 / 25-34): "
+            "5.00% / 2.00% / 1.00% of their step time, device calls 20 / 10 / 0 (medians over runs)") in md, md
+    assert "cachealloc:size_class: allocator time by thirds" not in md, md  # 29 steps: not split
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"runs": []}')
+    for f in (bad, tmp_path / "missing.json"):
+        r = subprocess.run([sys.executable, str(runner), "--report-from", str(f)], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 2, (r.returncode, r.stderr)
+        assert "cannot read it as a run_e2e results file" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 if __name__ == "__main__":
     from _support import run_module
 
