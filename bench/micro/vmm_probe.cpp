@@ -34,6 +34,14 @@
 //                          word to differ. The median is the cost of enqueuing the wait.
 //   map_behind_wait_unmap  the same while a third thread unmaps another busy mapping (the
 //                          background unmapper's work) at the moment the stream is held.
+//   memcpy_before_map      cudaMemcpyAsync (host to device) into pages not yet mapped, queued
+//                          behind such a wait on the stream: does the runtime accept the call?
+//   memset_before_map      the same with cudaMemsetAsync.
+// Added in session 21 after PyTorch, under policy defrag with its maps made this way (the
+// bench/e2e pipeline), failed at the first tensor copied to the GPU with cudaErrorInvalidValue:
+// the runtime seems to check a copy's pointers when it is queued, not when it runs. These two
+// questions ask that directly; they have not run on the H200 yet (the session's device time was
+// spent).
 // Run last: a kernel that touched unmapped pages would leave the context unusable.
 #include "../../allocator/cuda/src/driver_api.h"
 
@@ -195,6 +203,54 @@ std::string map_behind_wait(Probe& p, CUdeviceptr va, std::size_t bytes, CUmemGe
   }
   return verdict;
 }
+
+// Note [Mapping behind a stream wait]: whether the runtime queues a copy or a memset into pages
+// that are mapped only after the call (the stream held behind a wait meanwhile). Returns the line.
+std::string copy_before_map(Probe& p, CUdeviceptr va, std::size_t bytes, CUmemGenericAllocationHandle h,
+                            bool memset) {
+  if (p.api.stream_wait_value64 == nullptr) {
+    return "rejected (the driver has no cuStreamWaitValue64)";
+  }
+  std::uint64_t* flag = nullptr;
+  void* src = nullptr;
+  if (cudaHostAlloc(reinterpret_cast<void**>(&flag), sizeof(std::uint64_t), cudaHostAllocMapped) != cudaSuccess ||
+      cudaMallocHost(&src, bytes) != cudaSuccess) {
+    return "rejected (setup failed)";
+  }
+  *flag = 0;
+  void* dflag = nullptr;
+  cudaStream_t s = nullptr;
+  (void)cudaHostGetDevicePointer(&dflag, flag, 0);
+  (void)cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  std::string verdict;
+  const CUresult wr = p.api.stream_wait_value64(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(dflag),
+                                                1, CU_STREAM_WAIT_VALUE_GEQ);
+  const cudaError_t queued = memset ? cudaMemsetAsync(reinterpret_cast<void*>(va), 0, bytes, s)
+                                    : cudaMemcpyAsync(reinterpret_cast<void*>(va), src, bytes,
+                                                      cudaMemcpyHostToDevice, s);
+  (void)cudaGetLastError();  // a rejected call leaves its error behind
+  const CUresult mr = p.map(va, bytes, 0, h);
+  std::atomic_ref<std::uint64_t>(*flag).store(1, std::memory_order_release);
+  const cudaError_t sync = cudaStreamSynchronize(s);
+  if (wr != CUDA_SUCCESS) {
+    verdict = "rejected (cuStreamWaitValue64: " + error_text(p.api, wr) + ")";
+  } else if (queued != cudaSuccess) {
+    verdict = std::string("rejected (") + cudaGetErrorName(queued) + " when queued)";
+  } else if (mr != CUDA_SUCCESS || sync != cudaSuccess) {
+    verdict = std::string("rejected (map ") + error_text(p.api, mr) + ", stream " + cudaGetErrorName(sync) + ")";
+  } else {
+    verdict = "ok";
+  }
+  if (mr == CUDA_SUCCESS) {
+    p.api.mem_unmap(va, bytes);
+  }
+  if (sync == cudaSuccess) {
+    cudaStreamDestroy(s);
+    cudaFreeHost(src);
+    cudaFreeHost(flag);
+  }
+  return verdict;
+}
 #endif
 
 }  // namespace
@@ -301,6 +357,10 @@ int main() {
         if (verdict != "ok") {
           break;  // the context may be unusable now
         }
+      }
+      for (const bool memset : {false, true}) {
+        std::printf("PROBE %s: %s\n", memset ? "memset_before_map" : "memcpy_before_map",
+                    copy_before_map(p, c, m * p.page, hc, memset).c_str());
       }
     }
 #else
