@@ -486,6 +486,25 @@ def test_e2e_runner_help_and_plan():
     assert "CACHEALLOC_CONF=policy:async,async_cache_mb:0,async_cache_max_block:64KB" in p.stdout, p.stdout
 
 
+def _e2e_report(tmp_path, runs, steps):
+    """Writes a run_e2e results .json of `runs` (pipeline, cachealloc:defrag; `steps`: [warm-up,
+    measured]), regenerates its Markdown with --report-from and returns it."""
+    runner = REPO / "bench" / "e2e" / "run_e2e.py"
+    meta = {"date": "2026-12-03T00:00:00", "host": "test", "command": "run_e2e.py", "driver": "-", "rounds_done": 1,
+            "steps": {"pipeline": steps}, "fork": {}, "gpu": "-", "torch": "-", "cuda": "-", "sampler": "nvml",
+            "elapsed_s": 1.0, "cachealloc_library": "-", "estimate": "-"}
+    args = {"workloads": "pipeline", "configs": "cachealloc:defrag", "steps": None, "warmup": None, "min_steps": 5,
+            "reps": 1, "seed": 0, "scale": "full", "device": "cuda", "sample_ms": 1.0, "timeout_s": 180.0,
+            "time_budget_s": 0.0, "no_fork": False, "zygote_timeout_s": 180.0, "out_dir": str(tmp_path), "tag": "t",
+            "dry_run": False, "report_from": None, "child": False, "spec": None, "zygote": False, "config": None}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"meta": meta, "args": args, "summary": {}, "runs": runs}))
+    r = subprocess.run([sys.executable, str(runner), "--report-from", str(path)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    return path.with_suffix(".md").read_text()
+
+
 def test_e2e_report_shows_how_allocator_time_spreads_over_steps(tmp_path):
     """--report-from: the median step's allocator time, the heaviest step's share and what that
     step did (device calls, defrag's waits), and what the steps without a device call cost,
@@ -493,7 +512,6 @@ def test_e2e_report_shows_how_allocator_time_spreads_over_steps(tmp_path):
     runner = REPO / "bench" / "e2e" / "run_e2e.py"
     if not runner.is_file():
         skip("bench/e2e/run_e2e.py is not in this checkout")
-    import json
     run = {"workload": "pipeline", "config": "cachealloc:defrag", "rep": 0, "steps": 4, "warmup": 1, "ok": True,
            "median_step_s": 0.01, "peak_bytes": 3 << 30, "allocator_reserved_peak": 2 << 30,
            "allocator_ns_per_step": 400_000.0, "allocator_pct_of_step": 4.0, "device_calls_per_step": 1.0,
@@ -504,20 +522,7 @@ def test_e2e_report_shows_how_allocator_time_spreads_over_steps(tmp_path):
                               "defrag.move_ns": 1_000_000, "defrag.wait_ns": 900_000, "defrag.stream_waits": 1,
                               "defrag.pages_moved": 8, "defrag.chunks_moved": 4,
                               "map_ns": 400_000, "create_ns": 120_000, "num_device_alloc": 2}}
-    meta = {"date": "2026-12-03T00:00:00", "host": "test", "command": "run_e2e.py", "driver": "-", "rounds_done": 1,
-            "steps": {"pipeline": [1, 4]}, "fork": {}, "gpu": "-", "torch": "-", "cuda": "-", "sampler": "nvml",
-            "elapsed_s": 1.0, "cachealloc_library": "-", "estimate": "-"}
-    args = {"workloads": "pipeline", "configs": "cachealloc:defrag", "steps": None, "warmup": None, "min_steps": 5,
-            "reps": 1, "seed": 0, "scale": "full", "device": "cuda", "sample_ms": 1.0, "timeout_s": 180.0,
-            "time_budget_s": 0.0, "no_fork": False, "zygote_timeout_s": 180.0, "out_dir": str(tmp_path), "tag": "t",
-            "dry_run": False, "report_from": None, "child": False, "spec": None, "zygote": False, "config": None}
-    data = {"meta": meta, "args": args, "summary": {}, "runs": [run]}
-    path = tmp_path / "r.json"
-    path.write_text(json.dumps(data))
-    r = subprocess.run([sys.executable, str(runner), "--report-from", str(path)], capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 0, r.stderr
-    md = path.with_suffix(".md").read_text()
+    md = _e2e_report(tmp_path, [run], [1, 4])
     assert "the median measured step spent 110.0 µs in the allocator" in md, md
     assert "the heaviest step held 80% of a run's allocator time" in md, md
     assert "heaviest step of each run (µs in the allocator / device calls / µs waiting for streams): 1,280 / 4 / 900" in md, md
@@ -538,7 +543,6 @@ def test_e2e_report_splits_long_runs_in_thirds(tmp_path):
     runner = REPO / "bench" / "e2e" / "run_e2e.py"
     if not runner.is_file():
         skip("bench/e2e/run_e2e.py is not in this checkout")
-    import json
     # 30 steps of 10 ms: the first ten spend 500 us each in the allocator with 2 device calls,
     # the next ten 200 us, the last ten 100 us without a call.
     ns = [500_000] * 10 + [200_000] * 10 + [100_000] * 10
@@ -549,19 +553,7 @@ def test_e2e_report_splits_long_runs_in_thirds(tmp_path):
            "allocator_ns_steps": ns, "device_calls_steps": calls, "counters_delta": {}}
     short = dict(run, config="cachealloc:size_class", steps=29, step_s=[0.01] * 29, allocator_ns_steps=ns[:29],
                  device_calls_steps=calls[:29])
-    meta = {"date": "2026-12-04T00:00:00", "host": "test", "command": "run_e2e.py", "driver": "-", "rounds_done": 1,
-            "steps": {"pipeline": [4, 30]}, "fork": {}, "gpu": "-", "torch": "-", "cuda": "-", "sampler": "nvml",
-            "elapsed_s": 1.0, "cachealloc_library": "-", "estimate": "-"}
-    args = {"workloads": "pipeline", "configs": "cachealloc:defrag", "steps": None, "warmup": None, "min_steps": 5,
-            "reps": 1, "seed": 0, "scale": "full", "device": "cuda", "sample_ms": 1.0, "timeout_s": 180.0,
-            "time_budget_s": 0.0, "no_fork": False, "zygote_timeout_s": 180.0, "out_dir": str(tmp_path), "tag": "t",
-            "dry_run": False, "report_from": None, "child": False, "spec": None, "zygote": False, "config": None}
-    path = tmp_path / "r.json"
-    path.write_text(json.dumps({"meta": meta, "args": args, "summary": {}, "runs": [run, short]}))
-    r = subprocess.run([sys.executable, str(runner), "--report-from", str(path)], capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 0, r.stderr
-    md = path.with_suffix(".md").read_text()
+    md = _e2e_report(tmp_path, [run, short], [4, 30])
     assert ("- cachealloc:defrag: allocator time by thirds of the measured steps (5-14 / 15-24 / 25-34): "
             "5.00% / 2.00% / 1.00% of their step time, device calls 20 / 10 / 0 (medians over runs)") in md, md
     assert "cachealloc:size_class: allocator time by thirds" not in md, md  # 29 steps: not split
