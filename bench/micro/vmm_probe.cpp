@@ -156,19 +156,21 @@ std::string map_behind_wait(Probe& p, CUdeviceptr va, std::size_t bytes, CUmemGe
   if (verdict.empty() && (fl != cudaSuccess || ve != cudaSuccess)) {
     verdict = std::string("rejected (launch: ") + cudaGetErrorName(fl != cudaSuccess ? fl : ve) + ")";
   }
-  std::atomic<std::uint64_t>* word = reinterpret_cast<std::atomic<std::uint64_t>*>(flag);
+  // The host word the stream waits on, written as copy_before_map() writes it (no cast of a
+  // plain integer to std::atomic).
+  const auto release_stream = [flag] { std::atomic_ref<std::uint64_t>(*flag).store(1, std::memory_order_release); };
   std::future<CUresult> unmapper;
   if (unmap_busy) {
     unmapper = std::async(std::launch::async, [&] { return p.api.mem_unmap(busy, busy_bytes); });
   }
   auto mapper = std::async(std::launch::async, [&] {
     const CUresult r = p.map(va, bytes, 0, h);
-    word->store(1, std::memory_order_release);
+    release_stream();
     return r;
   });
   const bool returned = mapper.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
   if (!returned) {
-    word->store(1, std::memory_order_release);  // release the stream: the map waits for it
+    release_stream();  // release the stream: the map waits for it
     verdict = "rejected (deadlock: the map did not return while the stream waited)";
   }
   const CUresult mr = mapper.get();

@@ -576,7 +576,7 @@ void DefragEngine::raise_slack_to(double slack) noexcept {
 // segments held about 1.24x its live peak on the H200.
 // Over 304 steps (bench/e2e/recordings/e2e_pipeline_long.pickle.xz, session 21) that job
 // still moves pages at 0.20 and ends at 0.25 holding 1.250-1.266x, above expandable's 1.238;
-// on the H200 over 64 steps it was above expandable in 7 of 9 runs: with moves at ~60 us of
+// on the H200 over 64 steps it was above expandable in 9 of 11 runs: with moves at ~60 us of
 // the allocating thread each, this budget cannot buy that job a lower peak
 // (bench/results/defrag_session21_2026-12-04.md). The budget is 0.02: replayed (peak
 // reserved / peak requested), the two-stream MLP of the shared traces, whose moves cost 1-2% of
