@@ -1287,7 +1287,10 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any], meta: dict[str, 
             # Whether the allocator's time falls once a policy settles (medians over runs).
             lines += [""]
             for cfg, ts in thirds:
-                spans = " / ".join(f"{t['first']}-{t['last']}" for t in ts[0])
+                # --time-budget-s may have shrunk later rounds: then each run's own thirds.
+                span_sets = {tuple((t["first"], t["last"]) for t in run) for run in ts}
+                spans = (" / ".join(f"{a}-{b}" for a, b in span_sets.pop()) if len(span_sets) == 1
+                         else "each run's own, as its measured steps differ")
                 pcts = " / ".join(f"{statistics.median(t[i]['pct'] for t in ts):.2f}%" for i in range(3))
                 line = f"- {cfg}: allocator time by thirds of the measured steps ({spans}): {pcts} of their step time"
                 if all(t[i]["calls"] is not None for t in ts for i in range(3)):

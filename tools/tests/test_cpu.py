@@ -557,6 +557,13 @@ def test_e2e_report_splits_long_runs_in_thirds(tmp_path):
     assert ("- cachealloc:defrag: allocator time by thirds of the measured steps (5-14 / 15-24 / 25-34): "
             "5.00% / 2.00% / 1.00% of their step time, device calls 20 / 10 / 0 (medians over runs)") in md, md
     assert "cachealloc:size_class: allocator time by thirds" not in md, md  # 29 steps: not split
+    # Runs whose measured steps differ (later rounds shrunk by --time-budget-s) are not labelled
+    # with the first run's steps.
+    longer = dict(run, rep=1, steps=33, step_s=[0.01] * 33, allocator_ns_steps=ns + [100_000] * 3,
+                  device_calls_steps=calls + [0] * 3)
+    md = _e2e_report(tmp_path, [run, longer], [4, 30])
+    assert ("- cachealloc:defrag: allocator time by thirds of the measured steps (each run's own, as its "
+            "measured steps differ):") in md, md
     bad = tmp_path / "bad.json"
     bad.write_text('{"runs": []}')
     for f in (bad, tmp_path / "missing.json"):
