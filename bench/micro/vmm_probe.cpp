@@ -40,8 +40,10 @@
 // Added in session 21 after PyTorch, under policy defrag with its maps made this way (the
 // bench/e2e pipeline), failed at the first tensor copied to the GPU with cudaErrorInvalidValue:
 // the runtime seems to check a copy's pointers when it is queued, not when it runs. These two
-// questions ask that directly; they have not run on the H200 yet (the session's device time was
-// spent).
+// questions ask that directly. On the H200 (session 22, bench/results/
+// defrag_session22_2026-12-04.md) both were rejected with cudaErrorInvalidValue when queued, while
+// map_behind_wait was ok (4.1 us): the runtime checks copy and memset addresses at enqueue, so
+// an allocator must hand out only mapped memory.
 // Run last: a kernel that touched unmapped pages would leave the context unusable.
 #include "../../allocator/cuda/src/driver_api.h"
 

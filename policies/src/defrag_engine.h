@@ -37,6 +37,9 @@ inline constexpr std::uint32_t kDenseWindows = 3;
 inline constexpr std::uint64_t kBudgetMinWindowNs = 25'000'000;
 /// ...or over this much time, whichever comes first.
 inline constexpr std::uint64_t kBudgetMaxWindowNs = 1'000'000'000;
+/// Note [Waits that switch to moving pending] (defrag_grow.cpp): a window over the budget in
+/// which waiting for streams took more than this many tenths of the charged time switches.
+inline constexpr std::uint64_t kPendingWaitTenths = 3;
 /// A growth creates about this many chunks (Note [Chunks], defrag_grow.cpp)...
 inline constexpr std::size_t kChunksPerGrowth = 16;
 /// Note [Quiet time pays for a burst] (defrag_grow.cpp): quiet time banked at most, in ns.

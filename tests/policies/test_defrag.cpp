@@ -280,10 +280,13 @@ class Workload {
  public:
   /// `host_ns_per_call` > 0: the simulated clock runs, each call taking that long on the host,
   /// and device calls cost what they cost on an H200 (Note [Simulated time], sim_backend.h).
-  explicit Workload(const std::string& conf = "", std::uint64_t host_ns_per_call = 0)
+  /// `gpu_lag_ns` > 0: the GPU finishes each stream's work that long after the host queued it
+  /// (SimOptions::event_lag_ns), so waiting for a stream costs host time.
+  explicit Workload(const std::string& conf = "", std::uint64_t host_ns_per_call = 0,
+                    std::uint64_t gpu_lag_ns = 0)
       : config_(Config::parse(conf)),
-        allocator_(std::make_unique<SimBackend>(
-                       SimOptions{0, 64 * kGiB, 2 * MiB, false, host_ns_per_call != 0}),
+        allocator_(std::make_unique<SimBackend>(SimOptions{0, 64 * kGiB, 2 * MiB, gpu_lag_ns != 0,
+                                                           host_ns_per_call != 0, gpu_lag_ns}),
                    config_),
         host_ns_per_call_(host_ns_per_call) {
     sim_ = static_cast<SimBackend*>(&allocator_.backend());
@@ -1375,6 +1378,55 @@ TEST_CASE("defrag: the slack rises when moving pages takes more than move_budget
   for (void* p : weights) {
     w.free(p);
   }
+}
+
+TEST_CASE("defrag: moves over the budget by waiting for the stream switch to moving pending; "
+          "moves alone raise the slack", "[defrag][patterns]") {
+  // Note [Waits that switch to moving pending] (defrag_grow.cpp). The workload of the test above
+  // on a fast host (2 us per call). With a GPU that finishes each stream's work as it is queued,
+  // nothing waits: the moves alone go over the budget and the slack rises. With a GPU 20 ms
+  // behind the host, the pages a growth lacks are in holes the stream's queued work still uses:
+  // waiting for them costs most of the time, and the policy switches to moving them at once
+  // (their old addresses unmapped after the stream) instead of raising the slack for the waits
+  // (the moves alone later raise it, as with the GPU keeping up). With pending_on_waits:False it
+  // keeps waiting.
+  const auto run = [](std::uint64_t lag_ns, const std::string& conf) {
+    Workload w(conf, 2'000, lag_ns);
+    std::mt19937_64 rng(5);
+    std::vector<void*> weights;
+    for (int i = 0; i < 8; ++i) {
+      weights.push_back(w.alloc(64 * MiB));
+    }
+    for (int step = 0; step < 60; ++step) {
+      random_shape_step(w, rng, [&](std::size_t bytes) { return w.alloc(bytes); });
+    }
+    for (void* p : weights) {
+      w.free(p);
+    }
+    return w.allocator().policy().counters();
+  };
+  const auto show = [](const DefragCounters& c) {
+    std::ostringstream o;
+    o << c.stream_waits << " waits (" << c.wait_ns / 1000000 << " of " << c.move_ns / 1000000
+      << " ms), " << c.pending_switches << " switch, " << c.pages_moved_pending
+      << " pages moved pending, " << c.budget_raises << " raises on time, slack " << c.slack;
+    return o.str();
+  };
+  const DefragCounters keeping_up = run(0, "max_grow_slack:0.25");
+  const DefragCounters behind = run(20'000'000, "max_grow_slack:0.25");
+  const DefragCounters waiting = run(20'000'000, "max_grow_slack:0.25,pending_on_waits:False");
+  INFO("GPU keeps up: " << show(keeping_up));
+  INFO("GPU 20 ms behind: " << show(behind));
+  INFO("GPU 20 ms behind, pending_on_waits:False: " << show(waiting));
+  CHECK(keeping_up.wait_ns == 0);
+  CHECK(keeping_up.pending_switches == 0);
+  CHECK(keeping_up.budget_raises >= 1);
+  CHECK(behind.pending_switches == 1);
+  CHECK(behind.pages_moved_pending > 0);
+  CHECK(waiting.pending_switches == 0);
+  CHECK(waiting.pages_moved_pending == 0);
+  CHECK(waiting.stream_waits > behind.stream_waits);
+  CHECK(waiting.wait_ns > behind.wait_ns);
 }
 
 TEST_CASE("defrag: moves in bursts seconds apart are paid by the quiet time, and a raise they "

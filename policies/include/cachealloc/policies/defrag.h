@@ -46,8 +46,8 @@
 //                     (cuda_vmm with background_unmap, the simulated device) (default False;
 //                     Note [Moving pages a stream still uses], background_unmapper.h)
 //   pending_on_waits  switch to move_pending for good once waiting for the stream has put the
-//                     moves over move_budget (default True; Note [Waits that switch to moving
-//                     pending], defrag_grow.cpp)
+//                     moves over move_budget (waits more than three tenths of their time)
+//                     (default True; Note [Waits that switch to moving pending], defrag_grow.cpp)
 //   avoid_queued_unmaps  place a block that needs pages mapped past unmapped holes whose
 //                     unmap still waits for a stream's work (pages moved pending), instead of
 //                     waiting for that work there (default True; Note [Placing away from
