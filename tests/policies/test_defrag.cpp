@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <random>
@@ -364,6 +365,25 @@ void random_shape_step(Workload& w, std::mt19937_64& rng, Alloc&& alloc) {
   w.free(c);
   for (std::size_t i = 1; i < acts.size(); i += 2) {
     w.free(acts[i]);
+  }
+}
+
+/// Eight 64 MiB weights, then `steps` of random_shape_step (`before_step(step)` first in each),
+/// then the weights freed: the job of the time-budget tests.
+void random_shape_job(Workload& w, int steps, const std::function<void(int)>& before_step = {}) {
+  std::mt19937_64 rng(5);
+  std::vector<void*> weights;
+  for (int i = 0; i < 8; ++i) {
+    weights.push_back(w.alloc(64 * MiB));
+  }
+  for (int step = 0; step < steps; ++step) {
+    if (before_step) {
+      before_step(step);
+    }
+    random_shape_step(w, rng, [&](std::size_t bytes) { return w.alloc(bytes); });
+  }
+  for (void* p : weights) {
+    w.free(p);
   }
 }
 
@@ -1356,14 +1376,7 @@ TEST_CASE("defrag: the slack rises when moving pages takes more than move_budget
   const bool fast_host = GENERATE(true, false);
   INFO((fast_host ? "2 us per call" : "20 ms per call"));
   Workload w("max_grow_slack:0.25", fast_host ? 2'000 : 20'000'000);
-  std::mt19937_64 rng(5);
-  std::vector<void*> weights;
-  for (int i = 0; i < 8; ++i) {
-    weights.push_back(w.alloc(64 * MiB));
-  }
-  for (int step = 0; step < 120; ++step) {
-    random_shape_step(w, rng, [&](std::size_t bytes) { return w.alloc(bytes); });
-  }
+  random_shape_job(w, 120);
   const DefragCounters c = w.allocator().policy().counters();
   INFO("chunks moved " << c.chunks_moved << ", move time " << c.move_ns / 1000000 << " ms, slack "
                        << c.slack << ", raises " << c.slack_raises << " (" << c.budget_raises
@@ -1374,9 +1387,6 @@ TEST_CASE("defrag: the slack rises when moving pages takes more than move_budget
     CHECK(c.slack > 0.01);
   } else {
     CHECK(c.budget_raises == 0);
-  }
-  for (void* p : weights) {
-    w.free(p);
   }
 }
 
@@ -1392,17 +1402,7 @@ TEST_CASE("defrag: moves over the budget by waiting for the stream switch to mov
   // keeps waiting.
   const auto run = [](std::uint64_t lag_ns, const std::string& conf) {
     Workload w(conf, 2'000, lag_ns);
-    std::mt19937_64 rng(5);
-    std::vector<void*> weights;
-    for (int i = 0; i < 8; ++i) {
-      weights.push_back(w.alloc(64 * MiB));
-    }
-    for (int step = 0; step < 60; ++step) {
-      random_shape_step(w, rng, [&](std::size_t bytes) { return w.alloc(bytes); });
-    }
-    for (void* p : weights) {
-      w.free(p);
-    }
+    random_shape_job(w, 60);
     return w.allocator().policy().counters();
   };
   const auto show = [](const DefragCounters& c) {
@@ -1440,20 +1440,11 @@ TEST_CASE("defrag: moves in bursts seconds apart are paid by the quiet time, and
   // that comes back]) and the rest moves pages again.
   const auto run = [](int busy_steps, const std::string& conf = "max_grow_slack:0.25") {
     Workload w(conf, 2'000);
-    std::mt19937_64 rng(5);
-    std::vector<void*> weights;
-    for (int i = 0; i < 8; ++i) {
-      weights.push_back(w.alloc(64 * MiB));
-    }
-    for (int step = 0; step < 120; ++step) {
+    random_shape_job(w, 120, [&](int step) {
       if (step >= busy_steps && step % 3 == 0) {
         w.idle(5'000'000'000);
       }
-      random_shape_step(w, rng, [&](std::size_t bytes) { return w.alloc(bytes); });
-    }
-    for (void* p : weights) {
-      w.free(p);
-    }
+    });
     return std::pair{w.allocator().policy().counters(), w.ratio().value};
   };
   const auto [busy, busy_peak] = run(120);
