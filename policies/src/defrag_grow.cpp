@@ -655,8 +655,8 @@ void DefragEngine::note_move_time(std::uint64_t now_ns, std::uint64_t spent_ns,
   if (over_budget && !pending_mode_ && settings_.pending_on_waits && settings_.wait_for_streams &&
       vm_.unmaps_after_streams() &&
       10 * budget_wait_ns_ > kPendingWaitTenths * budget_raw_ns_) {
-    // Note [Waits that switch to moving pending]: over the budget mostly by waiting for the
-    // stream: stop waiting rather than hold more memory.
+    // Note [Waits that switch to moving pending]: over the budget much of it by waiting for
+    // the stream: stop waiting rather than hold more memory.
     pending_mode_ = true;
     counters_.pending_switches = 1;
   } else if (over_budget && slack_ < settings_.max_grow_slack) {
@@ -683,7 +683,7 @@ void DefragEngine::note_move_time(std::uint64_t now_ns, std::uint64_t spent_ns,
 }
 
 // Note [Waits that switch to moving pending]
-// A window over the move budget raises the slack (above). When most of its time went to
+// A window over the move budget raises the slack (above). When much of its time went to
 // waiting for the allocating stream (wait_for_streams: the pages that stream freed recently move
 // only once its work is done), a raise is the wrong answer: the host is far ahead of the GPU, as
 // in serving, and every later wait costs as long; the slack grows to pay for waits, not moves.
