@@ -995,6 +995,19 @@ def _heaviest_step(r: dict[str, Any]) -> dict[str, int]:
     return h
 
 
+def _defrag_run(r: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """What policy defrag's time budget did over the whole run (defrag_counters_run): its peak,
+    slack raises (of which on time), whether it switched to moving pending, and the share of its
+    charged growth time spent waiting for streams (None for other allocators)."""
+    c = r.get("defrag_counters_run")
+    if not c or "defrag.pending_switches" not in c or r.get("peak_bytes") is None:
+        return None
+    move = c.get("defrag.move_ns", 0)
+    return {"peak": r["peak_bytes"], "raises": c.get("defrag.slack_raises", 0),
+            "on_time": c.get("defrag.budget_raises", 0), "switched": bool(c["defrag.pending_switches"]),
+            "wait_share": c.get("defrag.wait_ns", 0) / move if move else None}
+
+
 def _quiet_steps(r: dict[str, Any]) -> Optional[dict[str, Any]]:
     """The run's measured steps without a device call: how many, their median allocator ns, and
     that over the run's median step time (None where the run has no per-step calls)."""
@@ -1063,6 +1076,9 @@ def summarize(results: list[dict[str, Any]], workloads: list[str], configs: list
                 # Per run: the measured steps that made no device call (cachealloc), how many,
                 # and their median allocator time: the allocator's floor on this workload.
                 "quiet_steps": [q for r in ok if (q := _quiet_steps(r))],
+                # Per run (policy defrag): how its time budget ended (Note [Waits that switch to
+                # moving pending]): the run-to-run spread of its peak often comes from there.
+                "defrag_runs": [d for r in ok if (d := _defrag_run(r))],
                 # Per run of 30 measured steps or more: the allocator's share in each third.
                 "thirds": [t for r in ok if (t := _thirds(r))],
                 "counters_delta_per_step": {
@@ -1297,6 +1313,18 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any], meta: dict[str, 
                     calls = " / ".join(f"{statistics.median(t[i]['calls'] for t in ts):g}" for i in range(3))
                     line += f", device calls {calls}"
                 lines.append(line + " (medians over runs)")
+        budget = [(cfg, r["defrag_runs"]) for cfg, r in rows.items() if r.get("defrag_runs")]
+        if budget:
+            lines += [""]
+            for cfg, ds in budget:
+                per_run = ", ".join(
+                    f"{d['peak'] / MiB:,.0f} MiB / {d['raises']} ({d['on_time']} on time) / "
+                    + ("switched" if d["switched"] else "no")
+                    + (f" / {100 * d['wait_share']:.0f}%" if d["wait_share"] is not None else "")
+                    for d in ds)
+                lines.append(f"- {cfg}, each run's whole life (peak / slack raises / switched to moving "
+                             f"pending / waits' share of the growths that moved or waited): {per_run}; "
+                             f"switched in {sum(d['switched'] for d in ds)} of {len(ds)}")
         if heavy:
             # What the heaviest step of each run did (cachealloc: device calls, defrag's waits).
             lines += [""] + [

@@ -573,6 +573,32 @@ def test_e2e_report_splits_long_runs_in_thirds(tmp_path):
         assert "cannot read it as a run_e2e results file" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_e2e_report_says_how_each_defrag_run_ended(tmp_path):
+    """--report-from: for policy defrag, each run's peak, slack raises (on time), whether it
+    switched to moving pending and the waits' share of its charged growth time, from the whole
+    run's counters, and how many runs switched; runs without those counters get no such line."""
+    runner = REPO / "bench" / "e2e" / "run_e2e.py"
+    if not runner.is_file():
+        skip("bench/e2e/run_e2e.py is not in this checkout")
+    base = {"workload": "pipeline", "config": "cachealloc:defrag", "rep": 0, "steps": 4, "warmup": 1, "ok": True,
+            "median_step_s": 0.01, "peak_bytes": 3634 << 20, "allocator_ns_per_step": 100_000.0,
+            "allocator_pct_of_step": 1.0, "device_calls_per_step": 1.0, "allocs_per_step": 50.0,
+            "counters_delta": {}}
+    switched = dict(base, defrag_counters_run={
+        "defrag.slack_raises": 1, "defrag.budget_raises": 0, "defrag.pending_switches": 1,
+        "defrag.wait_ns": 5_400_000, "defrag.move_ns": 10_000_000})
+    stayed = dict(base, rep=1, peak_bytes=3678 << 20, defrag_counters_run={
+        "defrag.slack_raises": 2, "defrag.budget_raises": 1, "defrag.pending_switches": 0,
+        "defrag.wait_ns": 4_200_000, "defrag.move_ns": 10_000_000})
+    older = dict(base, rep=2)  # an older results file: no whole-run counters
+    md = _e2e_report(tmp_path, [switched, stayed, older], [1, 4])
+    assert ("- cachealloc:defrag, each run's whole life (peak / slack raises / switched to moving pending / "
+            "waits' share of the growths that moved or waited): 3,634 MiB / 1 (0 on time) / switched / 54%, "
+            "3,678 MiB / 2 (1 on time) / no / 42%; switched in 1 of 2") in md, md
+    md = _e2e_report(tmp_path, [older], [1, 4])
+    assert "each run's whole life" not in md, md
+
+
 if __name__ == "__main__":
     from _support import run_module
 
