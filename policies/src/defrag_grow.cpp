@@ -718,8 +718,12 @@ void DefragEngine::note_move_time(std::uint64_t now_ns, std::uint64_t spent_ns,
 // timing: over sessions 20-22 it switched in 8 of 16 runs (3,634 MiB), and those that did not
 // had waited 34-42% of their charged time (3,672-3,678 MiB, expandable segments 3,668). At
 // three tenths it switched in 6 of 6 H200 runs (3,634 each); llm_serve switched as before
-// (10,958-10,980 against 11,162-11,170); gpt2, resnet50, vit_ckpt and the pipeline never
-// switched, so they ran the same code as before (gpt2 17,572 and resnet50 3,326 in every run).
+// (10,958-10,980 against 11,162-11,170); gpt2, resnet50, vit_ckpt and the pipeline did not
+// switch in those calls (gpt2 17,572 and resnet50 3,326 in every run). vit_ckpt can: its
+// default runs waited 26-46% of their charged time over the whole run, and with the threshold
+// at 0.3 plus two other changes (no count raises, max_grow_slack 0.22) it switched in 2 of 3
+// runs (3,470 and 3,474 MiB; 3,432 where it did not; expandable segments 3,458), within the
+// 3,372-3,474 its runs of one code path spread over.
 // The pipeline's runs waited 4-25% of their charged time (one run of the default switched even
 // at one half; none of 5 did at three tenths). Replayed
 // (development set, 23 recordings x lags 0 / 2 / 100 ms) the mean went 1.0456 -> 1.0454: lower
