@@ -56,10 +56,10 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <future>
-#include <thread>
 #include <cstdio>
 #include <exception>
+#include <future>
+#include <thread>
 #include <stdexcept>
 #include <string>
 #include <vector>

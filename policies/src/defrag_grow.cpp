@@ -725,9 +725,9 @@ void DefragEngine::note_move_time(std::uint64_t now_ns, std::uint64_t spent_ns,
 // runs (3,470 and 3,474 MiB; 3,432 where it did not; expandable segments 3,458), within the
 // 3,372-3,474 its runs of one code path spread over.
 // The pipeline's runs waited 4-25% of their charged time (one run of the default switched even
-// at one half; none of 5 did at three tenths). Replayed
-// (development set, 23 recordings x lags 0 / 2 / 100 ms) the mean went 1.0456 -> 1.0454: lower
-// on 3 pairs, higher on 1 (recordings_b llm_serve at 2 ms, 1.010 -> 1.020, expandable 1.035).
+// at one half; none of 5 did at three tenths). Replayed (development set, 23 recordings x lags
+// 0 / 2 / 100 ms) the mean went 1.0456 -> 1.0454: lower on 3 pairs, higher on 1 (recordings_b
+// llm_serve at 2 ms, 1.010 -> 1.020, expandable 1.035).
 //
 // Note [A raise that comes back]
 // The time budget judges moves over windows of a few dozen milliseconds, so that a job that

@@ -535,7 +535,6 @@ def test_e2e_report_shows_how_allocator_time_spreads_over_steps(tmp_path):
             "(1.00% of the median step; per run 1.00%)") in md, md
 
 
-
 def test_e2e_report_splits_long_runs_in_thirds(tmp_path):
     """--report-from: a run of 30 measured steps or more gets the allocator's share of each third
     of its steps (and the device calls in it), so a policy that is still adapting in its first
