@@ -117,9 +117,66 @@ double since_us(std::chrono::steady_clock::time_point t0) {
 }
 
 #if CACHEALLOC_PROBE_KERNELS
+// Note [Mapping behind a stream wait]: what both probes below set up. A host word mapped into the
+// device's address space, a non-blocking stream held behind cuStreamWaitValue64 on it until
+// release() sets the word, and device memory for the check's count of differing words. The
+// destructor frees them, unless the stream failed (`stream_failed`): then it may still use them.
+struct HeldStream {
+  std::uint64_t* flag = nullptr;
+  void* dflag = nullptr;
+  cudaStream_t stream = nullptr;
+  unsigned long long* mismatches = nullptr;
+  bool stream_failed = false;
+
+  HeldStream() = default;
+  HeldStream(const HeldStream&) = delete;
+  HeldStream& operator=(const HeldStream&) = delete;
+  ~HeldStream() {
+    if (stream_failed) {
+      return;
+    }
+    if (stream != nullptr) {
+      cudaStreamDestroy(stream);
+    }
+    if (mismatches != nullptr) {
+      cudaFree(mismatches);
+    }
+    if (flag != nullptr) {
+      cudaFreeHost(flag);
+    }
+  }
+  /// False when a step failed (what was made is freed all the same).
+  bool make() {
+    if (cudaHostAlloc(reinterpret_cast<void**>(&flag), sizeof(std::uint64_t), cudaHostAllocMapped) !=
+        cudaSuccess) {
+      flag = nullptr;
+      return false;
+    }
+    *flag = 0;
+    return cudaHostGetDevicePointer(&dflag, flag, 0) == cudaSuccess &&
+           cudaMalloc(reinterpret_cast<void**>(&mismatches), sizeof *mismatches) == cudaSuccess &&
+           cudaMemset(mismatches, 0, sizeof *mismatches) == cudaSuccess &&
+           cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess;
+  }
+  /// Queues the wait for the word on the stream.
+  CUresult hold(const Probe& p) const {
+    return p.api.stream_wait_value64(reinterpret_cast<CUstream>(stream),
+                                     reinterpret_cast<CUdeviceptr>(dflag), 1,
+                                     CU_STREAM_WAIT_VALUE_GEQ);
+  }
+  /// Sets the word the stream waits on (no cast of a plain integer to std::atomic).
+  void release() const { std::atomic_ref<std::uint64_t>(*flag).store(1, std::memory_order_release); }
+  /// Waits for the stream; false (and nothing is freed later) when it failed.
+  cudaError_t finish() {
+    const cudaError_t e = cudaStreamSynchronize(stream);
+    stream_failed = e != cudaSuccess;
+    return e;
+  }
+};
+
 // Note [Mapping behind a stream wait]: one round. The stream spins (so the host is ahead of it),
-// waits for *flag >= 1, fills [va, va + bytes) and checks it; only then does another thread map
-// the pages and set the flag. With `unmap_busy`, a third thread unmaps that (mapped, untouched)
+// waits for the word, fills [va, va + bytes) and checks it; only then does another thread map
+// the pages and set the word. With `unmap_busy`, a third thread unmaps that (mapped, untouched)
 // range at the same moment. Returns the line to print.
 std::string map_behind_wait(Probe& p, CUdeviceptr va, std::size_t bytes, CUmemGenericAllocationHandle h,
                             CUdeviceptr busy, std::size_t busy_bytes, bool unmap_busy,
@@ -128,51 +185,36 @@ std::string map_behind_wait(Probe& p, CUdeviceptr va, std::size_t bytes, CUmemGe
   if (p.api.stream_wait_value64 == nullptr) {
     return "rejected (the driver has no cuStreamWaitValue64)";
   }
-  std::uint64_t* flag = nullptr;
-  if (cudaHostAlloc(reinterpret_cast<void**>(&flag), sizeof(std::uint64_t), cudaHostAllocMapped) != cudaSuccess) {
-    return "rejected (cudaHostAlloc mapped failed)";
-  }
-  *flag = 0;
-  void* dflag = nullptr;
-  unsigned long long* mismatches = nullptr;
-  cudaStream_t s = nullptr;
-  std::string verdict;
-  if (cudaHostGetDevicePointer(&dflag, flag, 0) != cudaSuccess ||
-      cudaMalloc(reinterpret_cast<void**>(&mismatches), sizeof *mismatches) != cudaSuccess ||
-      cudaMemset(mismatches, 0, sizeof *mismatches) != cudaSuccess ||
-      cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) {
-    cudaFreeHost(flag);
+  HeldStream held;
+  if (!held.make()) {
     return "rejected (setup failed)";
   }
-  gt::launch_spin(2'000'000, s);  // about 1 ms at 2 GHz: the kernels below are queued ahead
+  std::string verdict;
+  gt::launch_spin(2'000'000, held.stream);  // about 1 ms at 2 GHz: the kernels below are queued ahead
   const auto t0 = std::chrono::steady_clock::now();
-  const CUresult wr = p.api.stream_wait_value64(reinterpret_cast<CUstream>(s),
-                                                reinterpret_cast<CUdeviceptr>(dflag), 1,
-                                                CU_STREAM_WAIT_VALUE_GEQ);
+  const CUresult wr = held.hold(p);
   enqueue_us.push_back(since_us(t0));
   if (wr != CUDA_SUCCESS) {
     verdict = "rejected (cuStreamWaitValue64: " + error_text(p.api, wr) + ")";
   }
-  const cudaError_t fl = gt::launch_fill(reinterpret_cast<void*>(va), bytes, 7, 11, s);
-  const cudaError_t ve = gt::launch_verify(reinterpret_cast<void*>(va), bytes, 7, 11, mismatches, s);
+  const cudaError_t fl = gt::launch_fill(reinterpret_cast<void*>(va), bytes, 7, 11, held.stream);
+  const cudaError_t ve =
+      gt::launch_verify(reinterpret_cast<void*>(va), bytes, 7, 11, held.mismatches, held.stream);
   if (verdict.empty() && (fl != cudaSuccess || ve != cudaSuccess)) {
     verdict = std::string("rejected (launch: ") + cudaGetErrorName(fl != cudaSuccess ? fl : ve) + ")";
   }
-  // The host word the stream waits on, written as copy_before_map() writes it (no cast of a
-  // plain integer to std::atomic).
-  const auto release_stream = [flag] { std::atomic_ref<std::uint64_t>(*flag).store(1, std::memory_order_release); };
   std::future<CUresult> unmapper;
   if (unmap_busy) {
     unmapper = std::async(std::launch::async, [&] { return p.api.mem_unmap(busy, busy_bytes); });
   }
   auto mapper = std::async(std::launch::async, [&] {
     const CUresult r = p.map(va, bytes, 0, h);
-    release_stream();
+    held.release();
     return r;
   });
   const bool returned = mapper.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
   if (!returned) {
-    release_stream();  // release the stream: the map waits for it
+    held.release();  // release the stream: the map waits for it
     verdict = "rejected (deadlock: the map did not return while the stream waited)";
   }
   const CUresult mr = mapper.get();
@@ -185,10 +227,10 @@ std::string map_behind_wait(Probe& p, CUdeviceptr va, std::size_t bytes, CUmemGe
       verdict = "rejected (cuMemUnmap on the third thread: " + error_text(p.api, ur) + ")";
     }
   }
-  const cudaError_t sync = cudaStreamSynchronize(s);
+  const cudaError_t sync = held.finish();
   unsigned long long bad = 0;
   if (sync == cudaSuccess) {
-    cudaMemcpy(&bad, mismatches, sizeof bad, cudaMemcpyDeviceToHost);
+    cudaMemcpy(&bad, held.mismatches, sizeof bad, cudaMemcpyDeviceToHost);
   }
   if (verdict.empty()) {
     if (sync != cudaSuccess) {
@@ -201,41 +243,35 @@ std::string map_behind_wait(Probe& p, CUdeviceptr va, std::size_t bytes, CUmemGe
   }
   if (sync == cudaSuccess) {
     p.api.mem_unmap(va, bytes);
-    cudaStreamDestroy(s);
-    cudaFree(mismatches);
-    cudaFreeHost(flag);
   }
   return verdict;
 }
 
 // Note [Mapping behind a stream wait]: whether the runtime queues a copy or a memset into pages
-// that are mapped only after the call (the stream held behind a wait meanwhile). Returns the line.
+// that are mapped only after the call (the stream held behind the wait meanwhile). Returns the line.
 std::string copy_before_map(Probe& p, CUdeviceptr va, std::size_t bytes, CUmemGenericAllocationHandle h,
                             bool memset) {
   if (p.api.stream_wait_value64 == nullptr) {
     return "rejected (the driver has no cuStreamWaitValue64)";
   }
-  std::uint64_t* flag = nullptr;
-  void* src = nullptr;
-  if (cudaHostAlloc(reinterpret_cast<void**>(&flag), sizeof(std::uint64_t), cudaHostAllocMapped) != cudaSuccess ||
-      cudaMallocHost(&src, bytes) != cudaSuccess) {
+  HeldStream held;
+  if (!held.make()) {
     return "rejected (setup failed)";
   }
-  *flag = 0;
-  void* dflag = nullptr;
-  cudaStream_t s = nullptr;
-  (void)cudaHostGetDevicePointer(&dflag, flag, 0);
-  (void)cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
-  std::string verdict;
-  const CUresult wr = p.api.stream_wait_value64(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(dflag),
-                                                1, CU_STREAM_WAIT_VALUE_GEQ);
-  const cudaError_t queued = memset ? cudaMemsetAsync(reinterpret_cast<void*>(va), 0, bytes, s)
+  // The copy's source: pinned host memory, freed unless the stream failed (it may still read it).
+  void* src = nullptr;
+  if (cudaMallocHost(&src, bytes) != cudaSuccess) {
+    return "rejected (setup failed)";
+  }
+  const CUresult wr = held.hold(p);
+  const cudaError_t queued = memset ? cudaMemsetAsync(reinterpret_cast<void*>(va), 0, bytes, held.stream)
                                     : cudaMemcpyAsync(reinterpret_cast<void*>(va), src, bytes,
-                                                      cudaMemcpyHostToDevice, s);
+                                                      cudaMemcpyHostToDevice, held.stream);
   (void)cudaGetLastError();  // a rejected call leaves its error behind
   const CUresult mr = p.map(va, bytes, 0, h);
-  std::atomic_ref<std::uint64_t>(*flag).store(1, std::memory_order_release);
-  const cudaError_t sync = cudaStreamSynchronize(s);
+  held.release();
+  const cudaError_t sync = held.finish();
+  std::string verdict;
   if (wr != CUDA_SUCCESS) {
     verdict = "rejected (cuStreamWaitValue64: " + error_text(p.api, wr) + ")";
   } else if (queued != cudaSuccess) {
@@ -249,9 +285,7 @@ std::string copy_before_map(Probe& p, CUdeviceptr va, std::size_t bytes, CUmemGe
     p.api.mem_unmap(va, bytes);
   }
   if (sync == cudaSuccess) {
-    cudaStreamDestroy(s);
     cudaFreeHost(src);
-    cudaFreeHost(flag);
   }
   return verdict;
 }
