@@ -55,8 +55,9 @@ class RecordingBackend final : public DeviceBackend, private VirtualMemory {
   [[nodiscard]] bool unmaps_after_streams() const noexcept override {
     return inner_vm_ != nullptr && inner_vm_->unmaps_after_streams();
   }
-  [[nodiscard]] bool unmap_queued(std::uintptr_t va, std::size_t bytes) const noexcept override {
-    return inner_vm_ != nullptr && inner_vm_->unmap_queued(va, bytes);
+  [[nodiscard]] std::uintptr_t queued_unmap_end(std::uintptr_t va,
+                                                std::size_t bytes) const noexcept override {
+    return inner_vm_ != nullptr ? inner_vm_->queued_unmap_end(va, bytes) : 0;
   }
 
   [[nodiscard]] DeviceBackend& inner() noexcept { return *inner_; }

@@ -2,6 +2,7 @@
 #include <cachealloc/background_unmapper.h>
 #include <cachealloc/errors.h>
 
+#include <algorithm>
 #include <chrono>
 #include <system_error>
 #include <utility>
@@ -105,22 +106,24 @@ bool BackgroundUnmapper::overlaps(std::uintptr_t va, std::size_t bytes) const {
   return overlapping_locked(va, bytes);
 }
 
-bool BackgroundUnmapper::behind_stream_work(std::uintptr_t va, std::size_t bytes) const {
+std::uintptr_t BackgroundUnmapper::end_behind_stream_work(std::uintptr_t va,
+                                                         std::size_t bytes) const {
   if (pending() == 0) {
-    return false;
+    return 0;
   }
   const std::lock_guard lock(mutex_);
   bool waits = running_waits_;
+  std::uintptr_t end = 0;
   if (waits && running_.overlaps(va, bytes)) {
-    return true;
+    end = running_.va + running_.bytes;
   }
   for (const Range& r : queue_) {
     waits = waits || (r.after != 0 && wait_);
     if (waits && r.overlaps(va, bytes)) {
-      return true;
+      end = std::max(end, r.va + r.bytes);
     }
   }
-  return false;
+  return end;
 }
 
 bool BackgroundUnmapper::overlapping_locked(std::uintptr_t va, std::size_t bytes) const noexcept {

@@ -306,7 +306,7 @@ void SimBackend::do_unmap(std::uintptr_t va, std::size_t bytes) {
 void SimBackend::charge_unmap(std::uintptr_t va, std::size_t bytes) noexcept {
   const std::uintptr_t end = va + bytes;
   for (auto m = mappings_.find(va); m != mappings_.end() && m->first < end; ++m) {
-    charge(27'000);  // per mapping removed (Note [Simulated time])
+    charge(3'000);  // per mapping removed (Note [Simulated time])
   }
 }
 
@@ -343,16 +343,14 @@ bool SimBackend::event_done(EventId id) const {
          (e.ready_ns != 0 && clock_ns_ >= e.ready_ns);
 }
 
-bool SimBackend::unmap_queued(std::uintptr_t va, std::size_t bytes) const noexcept {
+std::uintptr_t SimBackend::queued_unmap_end(std::uintptr_t va, std::size_t bytes) const noexcept {
+  std::uintptr_t end = 0;
   for (const DeferredUnmap& d : deferred_unmaps_) {
-    if (d.overlaps(va, bytes)) {
-      const auto e = events_.find(d.event);
-      if (e != events_.end() && !event_done(d.event)) {
-        return true;
-      }
+    if (d.overlaps(va, bytes) && events_.contains(d.event) && !event_done(d.event)) {
+      end = std::max(end, d.va + d.bytes);
     }
   }
-  return false;
+  return end;
 }
 
 void SimBackend::settle_unmaps(std::uintptr_t va, std::size_t bytes, bool all) {

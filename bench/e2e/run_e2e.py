@@ -187,7 +187,8 @@ COUNTER_KEYS = ("allocator_ns", "alloc_calls", "free_calls", "num_device_alloc",
                 # policy defrag's own counters (DefragPolicy::stat_counters())
                 "defrag.pages_moved", "defrag.chunks_moved", "defrag.stream_waits", "defrag.wait_ns",
                 "defrag.move_ns", "defrag.grow_allocations", "defrag.pages_created", "defrag.slack_raises",
-                "defrag.pages_moved_pending", "defrag.placed_past_queued",
+                "defrag.pages_moved_pending", "defrag.placed_past_queued", "defrag.placed_above_queued",
+                "defrag.placed_at_top",
                 "defrag.budget_raises", "defrag.return_raises", "defrag.slack_returns",
                 "defrag.pending_switches",
                 # the front end's step memo (Note [The step memo], allocator.h)

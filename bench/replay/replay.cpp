@@ -435,6 +435,13 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
       r.detail += ", " + std::to_string(d.placed_past_queued) +
                   " growths placed past a hole whose unmap had not run yet";
     }
+    if (d.placed_above_queued != 0) {
+      r.detail += " (" + std::to_string(d.placed_above_queued) + " of them above its queued unmaps)";
+    }
+    if (d.placed_at_top != 0) {  // Note [A block that ends with the free pages above it]
+      r.detail += ", " + std::to_string(d.placed_at_top) +
+                  " growths placed at the top of their hole to use the free pages above it";
+    }
     if (d.beyond_slack_growths != 0) {  // Note [Why pages were created beyond the slack]
       const auto num = [](std::uint64_t x) { return std::to_string(x); };
       r.detail += "; " + num(d.beyond_slack_growths) + " growths created " + num(d.beyond_slack_pages) +

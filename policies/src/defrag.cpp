@@ -811,6 +811,8 @@ std::vector<std::pair<std::string, std::int64_t>> DefragPolicy::stat_counters() 
           {"defrag.pages_moved", v(c.pages_moved)},       {"defrag.chunks_moved", v(c.chunks_moved)},
           {"defrag.pages_moved_pending", v(c.pages_moved_pending)},
           {"defrag.placed_past_queued", v(c.placed_past_queued)},
+          {"defrag.placed_above_queued", v(c.placed_above_queued)},
+          {"defrag.placed_at_top", v(c.placed_at_top)},
           {"defrag.unmap_batches", v(c.unmap_batches)},   {"defrag.grow_allocations", v(c.grow_allocations)},
           {"defrag.stream_waits", v(c.stream_waits)},     {"defrag.wait_ns", v(c.wait_ns)},
           {"defrag.move_ns", v(c.move_ns)},               {"defrag.slack_raises", v(c.slack_raises)},

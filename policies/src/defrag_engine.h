@@ -279,6 +279,9 @@ class alignas(64) DefragEngine {
     Node* hole = nullptr;  // the unmapped hole
     std::uintptr_t start = 0;
     bool passed_queued = false;  // a better fit was passed over for a queued unmap
+    /// Nonzero: the pages go from here up, above the unmaps queued in the hole's lower part
+    /// (Note [Placing away from queued unmaps]); the hole's part below stays unmapped.
+    std::uintptr_t above = 0;
   };
   Placement place_unmapped(std::uint32_t kind, std::uint32_t cls, std::size_t size) const;
   Arena* new_arena(std::uint32_t kind, std::size_t at_least);
@@ -286,9 +289,13 @@ class alignas(64) DefragEngine {
   /// move (Note [Why pages were created beyond the slack]).
   void note_beyond_slack(std::size_t pages, const Node* hole) noexcept;
   /// At least `count` and at most `room` pages for a block, in whole chunks (Note [Where new
-  /// pages come from], Note [Chunks]); false when the device is full.
+  /// pages come from], Note [Chunks]); false when the device is full. Without `beyond_slack`,
+  /// step 5 is left to the caller (create_beyond_slack), and it may return with fewer.
   bool gather_pages(std::size_t count, std::size_t room, std::size_t size, const Node* hole,
-                    std::uint32_t cls);
+                    std::uint32_t cls, bool beyond_slack = true);
+  /// Step 5 of Note [Where new pages come from]: creates what scratch_ lacks of `count` pages,
+  /// counted as beyond the slack; false (scratch_ released) when the device is full.
+  bool create_beyond_slack(std::size_t count, const Node* hole);
   /// Creates `count` pages in chunks of at most max_chunk_pages_ into scratch_ (fewer when the
   /// device is full).
   void create_pages(std::size_t count);
@@ -313,9 +320,11 @@ class alignas(64) DefragEngine {
                          const StreamId* after_stream = nullptr);
   [[nodiscard]] std::size_t scratch_pages() const noexcept;
   void release_scratch() noexcept;
-  /// Turns [hole.addr, end) of an unmapped hole into a fresh mapped hole (merged with usable
-  /// neighbours) and returns the resulting mapped hole.
-  Node* make_fresh(Node* hole, std::uintptr_t end, std::uint32_t cls);
+  /// Turns [begin, end) of an unmapped hole into a fresh mapped hole (merged with usable
+  /// neighbours) and returns the resulting mapped hole. With begin above hole.addr, `below`
+  /// (a fresh node) becomes the unmapped part [hole.addr, begin).
+  Node* make_fresh(Node* hole, std::uintptr_t begin, std::uintptr_t end, std::uint32_t cls,
+                   Node* below);
 
   DeviceBackend& backend_;
   VirtualMemory& vm_;

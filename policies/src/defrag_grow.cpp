@@ -20,7 +20,9 @@
 //      where the backend unmaps after a stream, those pages at once, their old addresses
 //      unmapped when the stream's work is done (Note [Moving pages a stream still uses],
 //      background_unmapper.h);
-//   5. new physical pages, or nothing (the front end's retry chain takes over).
+//   5. new physical pages (first, when the free mapped hole on the right holds pages, placed to
+//      end with it: Note [A block that ends with the free pages above it]), or nothing (the
+//      front end's retry chain takes over).
 // Only pages entirely inside a free hole move; a page shared with a live block stays. So
 // physical memory grows beyond the slack only while every page held carries live bytes or
 // belongs to a hole that cannot move yet, which bounds the peak by about max((1 + slack) x peak
@@ -108,13 +110,23 @@
 // held 1.082x its live peak with move_pending, 1.132 without, against 1.032 for expandable
 // segments.
 // With avoid_queued_unmaps, placement asks the backend whether an unmap still waiting for a
-// stream's work lies over the pages it would map (VirtualMemory::unmap_queued) and passes such a
-// hole over for the next fit, up to kQueuedSkips of them; when every fit has one it takes the
-// first and waits as before. A plain unmap waiting its turn on cuda_vmm's thread does not count
-// (it runs within a few hundred microseconds): the first version of this rule (6eaed44) counted
-// those too, so on the H200 it passed best fits over for waits of no consequence, and the
-// simulated device, which has no such thread, could not show it. Since session 20 the hint means
-// the same on both backends (BackgroundUnmapper::behind_stream_work).
+// stream's work lies over the pages it would map (VirtualMemory::queued_unmap_end) and passes
+// such a hole over for the next fit, up to kQueuedSkips of them. When every fit has one, it
+// takes the first of them whose room above its queued unmaps holds the block alone (the pages go
+// from the first page above them; the hole's part below stays unmapped: address space, no
+// memory), and only when none has such room the first fit, whose map waits as before. A plain
+// unmap waiting its turn on cuda_vmm's thread does not count (it runs within a few hundred
+// microseconds): the first version of this rule (6eaed44) counted those too, so on the H200 it
+// passed best fits over for waits of no consequence, and the simulated device, which has no such
+// thread, could not show it. Since session 20 the hint means the same on both backends
+// (BackgroundUnmapper::end_behind_stream_work).
+// The room above came in session 23: unmapped holes merge, so the pages a growth moved pending
+// from the top of the mapped range join the big unmapped hole above it, and a later block that
+// fits only there waited for them. Replayed with the GPU 100 ms behind the host, the held-out
+// llm_serve recording (recordings_b) had a growth wait 100 ms so, charged as moves: the slack
+// rose to 0.12 and it held 1.078x its live peak; placed above them, 1.017 (with unmaps charged
+// 3 us, Note [Simulated time] in sim_backend.h; with the former 27 us this wait did not arise
+// there). The counter is DefragCounters::placed_above_queued.
 // Measured (bench/results/defrag_queued_unmaps_2026-12-04_session19.md):
 //   H200, llm_serve (peak device memory, 2 runs): move_pending + this 10,960 / 10,966 MiB,
 //   17-39 ms per step in the allocator; expandable segments 11,162 / 11,170; the default
@@ -136,6 +148,28 @@
 // loses on llm_generate. Since session 20 it is on by default: it acts only on pages moved
 // pending, which the default does only once waits for the stream proved costly (Note [Waits
 // that switch to moving pending]), in serving jobs.
+//
+// Note [A block that ends with the free pages above it]
+// A block goes to the bottom of its unmapped hole (extended by the usable mapped hole on the
+// left), and the free mapped hole on the right, when it has whole pages, keeps them: they are
+// its neighbour's, not movable (steal()). When the growth then still lacks pages after steps 1-4
+// of Note [Where new pages come from], it would create them beyond the slack while those pages
+// lie free beside it. The held-out llm_serve recording (recordings_b) does this at the peak of
+// its largest batches: a 262 MB key/value cache placed at the bottom of a 394 MB unmapped hole
+// whose right neighbour held 103 free pages, and 103 pages created (replayed at lag 0 with
+// unmaps charged 3 us, 802 pages created beyond the slack over 13 growths while 828 lay beside
+// the placements: 1.075x its live peak, expandable segments 1.035).
+// So when a growth is about to create pages beyond the slack and its hole's right neighbour is a
+// free mapped hole of the allocating stream with whole pages, it places the block to end where
+// that neighbour ends, if that maps fewer pages: its pages go at the top of the unmapped hole
+// (the gathered ones, and only the missing rest created), the hole's part below stays unmapped.
+// Only then: session 22 tried the same placement whenever it needed fewer pages (bench/results/
+// defrag_session22_2026-12-04.md, section 8), which moved the serving recordings several percent
+// either way; and only the stream's own neighbour: with another stream's safe hole too, the
+// random sizes on eight streams of tests/policies/test_defrag.cpp rose from 1.101 to 1.111 of
+// their live peak (Note [Stream affinity]). Replayed (session 23, bench/results/
+// defrag_session23_2026-12-04.md): that recording 1.075 -> 1.028. The counter is
+// DefragCounters::placed_at_top.
 //
 // Note [Failures while growing]
 // Pages are gathered first (created, or unmapped from holes, which leaves consistent unmapped
@@ -160,6 +194,7 @@ DefragEngine::Placement DefragEngine::place_unmapped(std::uint32_t kind, std::ui
   // at its edges), so a hole up to two pages smaller than the request may do.
   const std::size_t lowest = size > 2 * page_ ? size - 2 * page_ : 0;
   Placement queued;  // the first fit whose pages would wait for a queued unmap
+  Placement above;   // the first such fit with room for the block above its queued unmaps
   int skipped = 0;
   auto it = unmapped_.lower_bound(IndexKey{kind, lowest, 0, nullptr});
   for (int tried = 0; it != unmapped_.end() && it->bucket == kind; ++it, ++tried) {
@@ -178,19 +213,27 @@ DefragEngine::Placement DefragEngine::place_unmapped(std::uint32_t kind, std::ui
       // Note [Placing away from queued unmaps]: the pages mapped here are [hole, window_end).
       const std::uintptr_t window_end = std::clamp(page_up(start + size), hole->addr, hole->end());
       if (settings_.avoid_queued_unmaps && window_end > hole->addr &&
-          vm_.unmap_queued(hole->addr, window_end - hole->addr)) {
+          vm_.queued_unmap_end(hole->addr, window_end - hole->addr) != 0) {
         if (queued.hole == nullptr) {
           queued = Placement{hole, start, true};
+        }
+        if (above.hole == nullptr) {
+          // The block alone, from the first page above the hole's queued unmaps.
+          const std::uintptr_t at = page_up(vm_.queued_unmap_end(hole->addr, hole->size));
+          if (at > hole->addr && at + size <= hole->end() &&
+              vm_.queued_unmap_end(at, page_up(at + size) - at) == 0) {
+            above = Placement{hole, at, true, at};
+          }
         }
         if (++skipped < kQueuedSkips) {
           continue;
         }
-        return queued;
+        break;
       }
       return Placement{hole, start, queued.hole != nullptr};
     }
   }
-  return queued;
+  return above.hole != nullptr ? above : queued;
 }
 
 Node* DefragEngine::grow(std::uint32_t kind, std::uint32_t cls, std::size_t size) {
@@ -205,14 +248,18 @@ Node* DefragEngine::grow(std::uint32_t kind, std::uint32_t cls, std::size_t size
   if (where.passed_queued) {
     ++counters_.placed_past_queued;
   }
+  if (where.above != 0) {
+    ++counters_.placed_above_queued;
+  }
   Node* hole = where.hole;
-  const std::uintptr_t start = where.start;
-  // Pages [hole.addr, window_end) get mapped (more when a moved chunk is larger: Note
-  // [Chunks]); beyond the hole the block lies in a mapped hole.
-  const std::uintptr_t window_end =
-      std::clamp(page_up(start + size), hole->addr, hole->end());
-  const std::size_t count = (window_end - hole->addr) / page_;
-  const std::size_t room = hole->size / page_;
+  std::uintptr_t start = where.start;
+  // Pages [lo, window_end) get mapped (more when a moved chunk is larger: Note [Chunks]);
+  // beyond the hole the block lies in a mapped hole. lo is the hole's start, or the first page
+  // above its queued unmaps.
+  const std::uintptr_t lo = where.above != 0 ? where.above : hole->addr;
+  const std::uintptr_t window_end = std::clamp(page_up(start + size), lo, hole->end());
+  std::size_t count = (window_end - lo) / page_;
+  const std::size_t room = (hole->end() - lo) / page_;
   Node* f = nullptr;
   if (count == 0) {
     f = hole->prev;  // the block fits in the usable mapped hole on the left
@@ -235,27 +282,65 @@ Node* DefragEngine::grow(std::uint32_t kind, std::uint32_t cls, std::size_t size
     // Note [A time budget for moves]: a growth to a new peak of live bytes is not churn.
     const bool new_peak = live_bytes_ + size > peak_live_;
     growing_below_peak_ = !new_peak;
-    if (!gather_pages(count, room, size, hole, cls)) {
+    // Note [A block that ends with the free pages above it]: pages beyond the slack wait until
+    // the placement is settled.
+    const bool may_top = where.above == 0 && usable(hole->next, cls) && hole->next->cls == cls &&
+                         whole_pages(hole->next) > 0;
+    if (!gather_pages(count, room, size, hole, cls, /*beyond_slack=*/!may_top)) {
       return nullptr;
+    }
+    bool at_top = false;
+    if (may_top && scratch_pages() < count) {
+      const Node* right = hole->next;
+      const std::uintptr_t lowest = usable(hole->prev, cls) ? hole->prev->addr : hole->addr;
+      // (A block that fits in the right neighbour alone is not this case: it maps no page.)
+      if (right->end() >= lowest + size && right->end() - size < hole->end()) {
+        const std::uintptr_t top_start = right->end() - size;
+        const std::uintptr_t top_begin = std::max(page_down(top_start), hole->addr);
+        const std::size_t top_count = (hole->end() - top_begin) / page_;
+        if (top_count < count &&
+            !(settings_.avoid_queued_unmaps &&
+              vm_.queued_unmap_end(top_begin, hole->end() - top_begin) != 0)) {
+          at_top = true;
+          start = top_start;
+          count = top_count;
+          ++counters_.placed_at_top;
+        }
+      }
+      if (!create_beyond_slack(count, hole)) {
+        return nullptr;
+      }
     }
     const std::size_t total = scratch_pages();
     Arena& arena = *hole->arena;
-    const std::size_t first = page_index(arena, hole->addr);
-    if (arena.pages.size() < first + total) {
-      try {
+    const std::uintptr_t map_at = at_top ? hole->end() - total * page_ : lo;
+    const std::size_t first = page_index(arena, map_at);
+    Node* below = nullptr;  // the hole's part below lo, when the pages go above its start
+    try {
+      if (arena.pages.size() < first + total) {
         arena.pages.resize(first + total, 0);
-      } catch (...) {
-        release_scratch();
-        throw;
       }
+      if (map_at > hole->addr) {
+        below = new_node();
+        unmapped_.reserve_total(unmapped_.size() + 1);
+      }
+    } catch (...) {
+      if (below != nullptr) {
+        recycle(below);
+      }
+      release_scratch();
+      throw;
     }
     try {
       pieces_.clear();
       for (const Chunk& c : scratch_) {
         pieces_.push_back(MapPiece{c.handle, c.pages * page_});
       }
-      vm_.map_run(hole->addr, pieces_);  // all or nothing
+      vm_.map_run(map_at, pieces_);  // all or nothing
     } catch (...) {
+      if (below != nullptr) {
+        recycle(below);
+      }
       release_scratch();  // nothing got mapped: the hole stays as it was
       throw;
     }
@@ -273,7 +358,7 @@ Node* DefragEngine::grow(std::uint32_t kind, std::uint32_t cls, std::size_t size
       note_move_time(now, now > started ? now - started : 0, counters_.wait_ns - wait_ns_before);
       last_move_ns_ = now;
     }
-    f = make_fresh(hole, hole->addr + mapped * page_, cls);
+    f = make_fresh(hole, map_at, map_at + mapped * page_, cls, below);
   }
   if (f->addr > start || f->end() < start + size) {
     throw InvariantError("policy defrag: the mapped hole does not cover its placement");
@@ -282,7 +367,7 @@ Node* DefragEngine::grow(std::uint32_t kind, std::uint32_t cls, std::size_t size
 }
 
 bool DefragEngine::gather_pages(std::size_t count, std::size_t room, std::size_t size,
-                                const Node* hole, std::uint32_t cls) {
+                                const Node* hole, std::uint32_t cls, bool beyond_slack) {
   scratch_.clear();
   try {
     create_pages(std::min(count, pages_within_slack(size)));
@@ -322,13 +407,22 @@ bool DefragEngine::gather_pages(std::size_t count, std::size_t room, std::size_t
         }
       }
     }
-    if (scratch_pages() < count) {
-      note_beyond_slack(count - scratch_pages(), hole);
-      create_pages(count - scratch_pages());
-    }
   } catch (...) {
     release_scratch();
     throw;
+  }
+  return !beyond_slack || create_beyond_slack(count, hole);
+}
+
+bool DefragEngine::create_beyond_slack(std::size_t count, const Node* hole) {
+  if (scratch_pages() < count) {
+    note_beyond_slack(count - scratch_pages(), hole);
+    try {
+      create_pages(count - scratch_pages());
+    } catch (...) {
+      release_scratch();
+      throw;
+    }
   }
   if (scratch_pages() < count) {
     release_scratch();
@@ -896,7 +990,17 @@ std::size_t DefragEngine::take_pages(Node* n, std::size_t want, std::size_t room
   return k;
 }
 
-Node* DefragEngine::make_fresh(Node* hole, std::uintptr_t end, std::uint32_t cls) {
+Node* DefragEngine::make_fresh(Node* hole, std::uintptr_t begin, std::uintptr_t end,
+                               std::uint32_t cls, Node* below) {
+  if (below != nullptr) {
+    below->addr = hole->addr;
+    below->size = begin - hole->addr;
+    below->state = State::unmapped_free;
+    link_before(hole, below);
+    hole->addr = begin;
+    hole->size -= below->size;
+    index_put(below);  // cannot allocate: grow() reserved room for it
+  }
   Node* f = nullptr;
   if (end < hole->end()) {
     f = new_node();

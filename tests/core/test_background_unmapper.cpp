@@ -98,7 +98,7 @@ TEST_CASE("background unmapper: wait_for blocks only on an overlapping range", "
   u.post(0x10000, 0x4000);  // [0x10000, 0x14000), held at the gate
   CHECK(u.pending() == 1);
   // overlaps() says which ranges a wait_for() would block on (placement's hint is the narrower
-  // behind_stream_work(), tested below).
+  // end_behind_stream_work(), tested below).
   CHECK(u.overlaps(0x13000, 0x2000));
   CHECK(u.overlaps(0x10000, 0x4000));
   CHECK_FALSE(u.overlaps(0x14000, 0x1000));
@@ -213,7 +213,7 @@ TEST_CASE("background unmapper: a range is never mapped over while its unmap is 
   CHECK(u.completed() > 100);
 }
 
-TEST_CASE("background unmapper: behind_stream_work names only ranges that wait for a stream",
+TEST_CASE("background unmapper: end_behind_stream_work gives where the ranges that wait for a stream end",
           "[core][unmapper]") {
   // Placement's hint (Note [Placing away from queued unmaps], defrag_grow.cpp): an unmap tagged
   // with a stream's work, or queued behind one, may keep a map waiting as long as the stream
@@ -245,13 +245,14 @@ TEST_CASE("background unmapper: behind_stream_work names only ranges that wait f
   for (std::uintptr_t va : {0x1000U, 0x2000U, 0x3000U, 0x4000U}) {
     CHECK(u.overlaps(va, 0x1000));
   }
-  CHECK_FALSE(u.behind_stream_work(0x1000, 0x1000));
-  CHECK_FALSE(u.behind_stream_work(0x2000, 0x1000));
-  CHECK(u.behind_stream_work(0x3000, 0x1000));
-  CHECK(u.behind_stream_work(0x3800, 0x1000));  // overlaps both
-  CHECK(u.behind_stream_work(0x4000, 0x1000));
-  CHECK_FALSE(u.behind_stream_work(0x5000, 0x1000));
-  CHECK_FALSE(u.behind_stream_work(0x1000, 0x2000));
+  CHECK(u.end_behind_stream_work(0x1000, 0x1000) == 0);
+  CHECK(u.end_behind_stream_work(0x2000, 0x1000) == 0);
+  CHECK(u.end_behind_stream_work(0x3000, 0x1000) == 0x4000);
+  CHECK(u.end_behind_stream_work(0x3800, 0x1000) == 0x5000);  // overlaps both: the higher end
+  CHECK(u.end_behind_stream_work(0x4000, 0x1000) == 0x5000);
+  CHECK(u.end_behind_stream_work(0x1000, 0x4000) == 0x5000);  // the plain unmaps do not count
+  CHECK(u.end_behind_stream_work(0x5000, 0x1000) == 0);
+  CHECK(u.end_behind_stream_work(0x1000, 0x2000) == 0);
   first_unmap.open();
   // The worker reaches the tagged range and waits there for the stream.
   for (int i = 0; i < 2000 && u.completed() < 2; ++i) {
@@ -259,11 +260,11 @@ TEST_CASE("background unmapper: behind_stream_work names only ranges that wait f
   }
   REQUIRE(u.completed() == 2);
   CHECK_FALSE(u.overlaps(0x2000, 0x1000));
-  CHECK(u.behind_stream_work(0x3000, 0x1000));  // running, still inside the wait
-  CHECK(u.behind_stream_work(0x4000, 0x1000));
+  CHECK(u.end_behind_stream_work(0x3000, 0x1000) == 0x4000);  // running, still inside the wait
+  CHECK(u.end_behind_stream_work(0x4000, 0x1000) == 0x5000);
   stream_work.open();
   u.drain();
-  CHECK_FALSE(u.behind_stream_work(0x3000, 0x2000));
+  CHECK(u.end_behind_stream_work(0x3000, 0x2000) == 0);
   std::lock_guard lock(m);
   CHECK(order == std::vector<std::string>{"unmap 4096", "unmap 8192", "wait 7", "unmap 12288",
                                           "unmap 16384"});

@@ -644,8 +644,10 @@ TEST_CASE("defrag: pages under free holes move where memory is needed", "[defrag
   CHECK(m.at("defrag.beyond_slack_pages") == static_cast<std::int64_t>(after.beyond_slack_pages));
   CHECK(m.at("defrag.stuck_pinned_pages") == static_cast<std::int64_t>(after.stuck_pinned_pages));
   CHECK(m.at("defrag.placed_past_queued") == static_cast<std::int64_t>(after.placed_past_queued));
+  CHECK(m.at("defrag.placed_above_queued") == static_cast<std::int64_t>(after.placed_above_queued));
+  CHECK(m.at("defrag.placed_at_top") == static_cast<std::int64_t>(after.placed_at_top));
   CHECK(m.at("defrag.pending_switches") == 0);  // move_pending was set, not switched to
-  CHECK(m.size() == 24);
+  CHECK(m.size() == 26);
 }
 
 TEST_CASE("defrag: a growth is placed away from a range whose unmap still waits for its stream",
@@ -670,7 +672,7 @@ TEST_CASE("defrag: a growth is placed away from a range whose unmap still waits 
   REQUIRE(big);
   REQUIRE(f.sim.pending_unmaps() == 5);
   for (const auto& [va, bytes] : freed) {
-    CHECK(f.sim.unmap_queued(va, bytes));
+    CHECK(f.sim.queued_unmap_end(va, bytes) == va + bytes);
   }
   // 20 MiB more: the five unmapped 20 MiB holes fit it best, but each still waits for the stream.
   const DefragCounters before = f.policy.counters();
@@ -688,13 +690,13 @@ TEST_CASE("defrag: a growth is placed away from a range whose unmap still waits 
   }
   CHECK(f.policy.counters().placed_past_queued == before.placed_past_queued + 1);
   for (const auto& [va, bytes] : freed) {
-    CHECK(f.sim.unmap_queued(va, bytes));  // no map waited for (and so ran) one of them
+    CHECK(f.sim.queued_unmap_end(va, bytes) == va + bytes);  // no map waited for (and so ran) one of them
     CHECK_FALSE(overlap(addr_of(next), next.size, va, bytes));
   }
   f.sim.complete_stream(0);
   CHECK(f.sim.pending_unmaps() == 0);
   for (const auto& [va, bytes] : freed) {
-    CHECK_FALSE(f.sim.unmap_queued(va, bytes));
+    CHECK(f.sim.queued_unmap_end(va, bytes) == 0);
   }
   // Once the unmaps ran, those holes are fits like any other.
   const Block again = f.alloc(20 * MiB);

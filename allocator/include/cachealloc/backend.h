@@ -106,11 +106,14 @@ class VirtualMemory {
   void unmap_after(std::uintptr_t va, std::size_t bytes, StreamId stream);
   /// Whether unmap_after() returns without waiting for the stream.
   [[nodiscard]] virtual bool unmaps_after_streams() const noexcept { return false; }
-  /// Whether an unmap still waiting for a stream's work (unmap_after(), or on cuda_vmm's thread
-  /// an unmap queued behind one) overlaps [va, va + bytes): a map there now would wait for that
-  /// work. A hint for placement (Note [Placing away from queued unmaps], defrag_grow.cpp).
-  [[nodiscard]] virtual bool unmap_queued(std::uintptr_t /*va*/, std::size_t /*bytes*/) const noexcept {
-    return false;
+  /// Where unmaps still waiting for a stream's work (unmap_after(), or on cuda_vmm's thread
+  /// unmaps queued behind one) overlap [va, va + bytes): the end of the highest such unmap's
+  /// range, or 0 when none does. A map that overlaps one now would wait for that work; one at or
+  /// above the end would not wait for these. A hint for placement (Note [Placing away from
+  /// queued unmaps], defrag_grow.cpp).
+  [[nodiscard]] virtual std::uintptr_t queued_unmap_end(std::uintptr_t /*va*/,
+                                                        std::size_t /*bytes*/) const noexcept {
+    return 0;
   }
 
   [[nodiscard]] std::size_t physical_bytes() const noexcept { return physical_bytes_; }

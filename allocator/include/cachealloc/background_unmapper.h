@@ -78,11 +78,12 @@ class BackgroundUnmapper {
 
   /// Whether a queued or running unmap overlaps [va, va + bytes) (wait_for() would block).
   [[nodiscard]] bool overlaps(std::uintptr_t va, std::size_t bytes) const;
-  /// Whether an unmap overlapping [va, va + bytes) waits for a stream's work: it has an `after`
-  /// tag whose wait has not returned, or is queued behind one (the worker runs the queue in
-  /// order). A wait_for() there may block for as long as the stream runs behind the host; an
-  /// unmap that only waits its turn costs a few hundred microseconds at most.
-  [[nodiscard]] bool behind_stream_work(std::uintptr_t va, std::size_t bytes) const;
+  /// Where unmaps overlapping [va, va + bytes) wait for a stream's work: the end of the highest
+  /// such range, or 0 when none does. An unmap waits when it has an `after` tag whose wait has
+  /// not returned, or is queued behind one (the worker runs the queue in order). A wait_for()
+  /// there may block for as long as the stream runs behind the host; an unmap that only waits
+  /// its turn costs a few hundred microseconds at most.
+  [[nodiscard]] std::uintptr_t end_behind_stream_work(std::uintptr_t va, std::size_t bytes) const;
   /// Unmaps queued or running now.
   [[nodiscard]] std::size_t pending() const noexcept { return pending_.load(std::memory_order_acquire); }
   /// Time the worker spent inside UnmapFn, in nanoseconds (steady clock).

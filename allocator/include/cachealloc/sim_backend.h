@@ -28,8 +28,13 @@
 // allocator saw each call in the recorded run) and, with SimOptions::model_call_costs, by the
 // median cost measured on an H200 (../shared/traces/README.md) of each call made: reserve 90 us,
 // release 90 us, create_physical 13.6 us, release_physical 13.6 us, map 55 us per handle mapped
-// (cuMemMap + cuMemSetAccess), unmap 27 us per mapping removed, 0.725 us per stream-ordered
-// pool allocate_async or free_async (half a warm pair). Charged costs add up and delay
+// (cuMemMap + cuMemSetAccess), unmap 3 us per mapping removed, 0.725 us per stream-ordered
+// pool allocate_async or free_async (half a warm pair). The unmap figure is what cuda_vmm's
+// default, background_unmap, costs the allocating thread (2-3 us per call on the H200 in
+// bench/e2e: the call is queued, and cuMemUnmap itself, 27 us median, 90-500 us under load,
+// runs on the backend's thread); it was 27 us until session 23, which made replays charge the
+// policy's time budget ten times what the GPU charges it (bench/results/
+// defrag_session23_2026-12-04.md). Charged costs add up and delay
 // every later driver time, as calls on a real device would. Waiting for an event costs nothing:
 // the model cannot know how far the GPU is behind. Without either, the clock stands still, so
 // unit tests see no time pass.
@@ -161,8 +166,9 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
   [[nodiscard]] bool unmaps_after_streams() const noexcept override {
     return options_.unmap_after_streams;
   }
-  /// An unmap_after() range whose stream's work has not completed at the simulated clock.
-  [[nodiscard]] bool unmap_queued(std::uintptr_t va, std::size_t bytes) const noexcept override;
+  /// The unmap_after() ranges whose stream's work has not completed at the simulated clock.
+  [[nodiscard]] std::uintptr_t queued_unmap_end(std::uintptr_t va,
+                                                std::size_t bytes) const noexcept override;
 
  private:
   friend class SimStreamPool;  // marks free positions in stream order, reads events

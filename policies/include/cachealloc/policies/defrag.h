@@ -156,6 +156,13 @@ struct DefragCounters {
   /// Growths placed past a better-fitting unmapped hole where an unmap had not run yet (or, when
   /// every fit had one, in the first of them): Note [Placing away from queued unmaps].
   std::uint64_t placed_past_queued = 0;
+  /// Of which placed in a fitting hole above the unmaps queued in its lower part, instead of
+  /// waiting for them (Note [Placing away from queued unmaps]).
+  std::uint64_t placed_above_queued = 0;
+  /// Growths that placed their block at the top of its unmapped hole, ending with the free
+  /// mapped hole above it, because that needed fewer pages beyond the slack (Note [A block that
+  /// ends with the free pages above it], defrag_grow.cpp).
+  std::uint64_t placed_at_top = 0;
   std::uint64_t unmap_batches = 0;   ///< unmap() calls (each covers consecutive pages)
   std::uint64_t grow_allocations = 0;  ///< allocations that needed pages mapped
   std::uint64_t events_recorded = 0;   ///< epoch-closing events (one per stream per epoch)

@@ -68,10 +68,11 @@ class CudaVmmBackend final : public CudaRuntimeBackend, private VirtualMemory {
   /// With background_unmap: unmap_after() queues the range behind an event recorded on the
   /// stream (Note [Moving pages a stream still uses], background_unmapper.h).
   [[nodiscard]] bool unmaps_after_streams() const noexcept override { return unmapper_ != nullptr; }
-  /// A range whose background unmap waits for a stream's work: queued by unmap_after(), or
-  /// queued behind such an unmap (BackgroundUnmapper::behind_stream_work). Plain unmaps waiting
-  /// their turn on the thread do not count: they run within a few hundred microseconds.
-  [[nodiscard]] bool unmap_queued(std::uintptr_t va, std::size_t bytes) const noexcept override;
+  /// Ranges whose background unmap waits for a stream's work: queued by unmap_after(), or
+  /// queued behind such an unmap (BackgroundUnmapper::end_behind_stream_work). Plain unmaps
+  /// waiting their turn on the thread do not count: they run within a few hundred microseconds.
+  [[nodiscard]] std::uintptr_t queued_unmap_end(std::uintptr_t va,
+                                                std::size_t bytes) const noexcept override;
 
   [[nodiscard]] std::string_view name() const noexcept override { return "cuda_vmm"; }
   [[nodiscard]] VirtualMemory* virtual_memory() noexcept override { return this; }
