@@ -162,7 +162,7 @@ void* SimBackend::do_reserve(std::size_t bytes) {
         }
       }
       reservations_.emplace(addr, rounded);
-      charge(90'000);
+      charge(options_.costs.reserve_ns);
       return reinterpret_cast<void*>(addr);
     }
     script_.clear();  // the run differs from the recording: back to our own placement
@@ -171,7 +171,7 @@ void* SimBackend::do_reserve(std::size_t bytes) {
   }
   const std::uintptr_t addr = take_range(free_ranges_, bump_, rounded, 2 * kMiB);
   reservations_.emplace(addr, rounded);
-  charge(90'000);
+  charge(options_.costs.reserve_ns);
   return reinterpret_cast<void*>(addr);
 }
 
@@ -185,7 +185,7 @@ void SimBackend::do_release(void* ptr, std::size_t /*bytes*/) noexcept {
   reservations_.erase(it);
   // cudaFree synchronizes the device before it returns: all queued work has finished.
   complete_all();
-  charge(90'000);
+  charge(options_.costs.release_ns);
 }
 
 std::uintptr_t SimBackend::reserve_address(std::size_t bytes) {
@@ -225,14 +225,14 @@ PhysicalHandle SimBackend::do_create_physical(std::size_t bytes) {
   }
   const PhysicalHandle h = next_handle_++;
   physical_.emplace(h, Physical{bytes, 0});
-  charge(13'600);
+  charge(options_.costs.create_ns);
   return h;
 }
 
 void SimBackend::do_release_physical(PhysicalHandle handle, std::size_t /*bytes*/) noexcept {
   settle_unmaps(0, 0, /*all=*/true);  // as the CUDA backend: memory is freed once unmapped
   physical_.erase(handle);
-  charge(13'600);
+  charge(options_.costs.release_physical_ns);
 }
 
 void SimBackend::do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) {
@@ -264,7 +264,7 @@ void SimBackend::do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle han
   mappings_.emplace(va, std::make_pair(bytes, handle));
   ++ph->second.mappings;
   mapped_now_ += bytes;
-  charge(55'000);
+  charge(options_.costs.map_ns);
 }
 
 void SimBackend::check_unmap_range(std::uintptr_t va, std::size_t bytes) const {
@@ -306,7 +306,7 @@ void SimBackend::do_unmap(std::uintptr_t va, std::size_t bytes) {
 void SimBackend::charge_unmap(std::uintptr_t va, std::size_t bytes) noexcept {
   const std::uintptr_t end = va + bytes;
   for (auto m = mappings_.find(va); m != mappings_.end() && m->first < end; ++m) {
-    charge(3'000);  // per mapping removed (Note [Simulated time])
+    charge(options_.costs.unmap_ns);  // per mapping removed (Note [Simulated time])
   }
 }
 

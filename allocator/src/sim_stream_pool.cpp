@@ -110,7 +110,7 @@ bool SimStreamPool::grow(std::size_t bytes) {
 }
 
 void* SimStreamPool::allocate_async(std::size_t bytes, StreamId stream) {
-  sim_.charge(kCallCostNs);  // Note [Simulated time]: with model_call_costs only
+  sim_.charge(sim_.call_costs().pool_op_ns);  // Note [Simulated time]: with model_call_costs only
   const std::size_t rounded = round_up(std::max<std::size_t>(bytes, 1), kAlignment);
   if (rounded < bytes) {
     return nullptr;  // wrapped: no device has that much
@@ -140,7 +140,7 @@ void* SimStreamPool::allocate_async(std::size_t bytes, StreamId stream) {
 }
 
 void SimStreamPool::free_async(void* ptr, StreamId stream) noexcept {
-  sim_.charge(kCallCostNs);
+  sim_.charge(sim_.call_costs().pool_op_ns);
   auto it = pieces_.find(reinterpret_cast<std::uintptr_t>(ptr));
   if (it == pieces_.end() || it->second.free) {
     ++foreign_frees_;

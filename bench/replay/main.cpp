@@ -62,6 +62,7 @@ int main(int argc, char** argv) {
   std::uint64_t check_every = 0;
   std::uint32_t phases = 0;
   std::uint64_t gpu_lag_us = 0;
+  std::vector<std::string> call_costs;
   int gpu = 0;
   std::uint64_t sample_every = 64;
   app.add_option("trace", trace_path, "the snapshot file (.pickle or .pickle.xz)");
@@ -101,6 +102,18 @@ int main(int argc, char** argv) {
                  "simulated device: the GPU finishes the work queued on a stream this many "
                  "microseconds (of the trace's own clock) after the host queued it, so events "
                  "complete late and waiting for one costs host time (default 0: at once)");
+  std::string cost_help =
+      "simulated device: what one device call costs the host, as KIND=MICROSECONDS (repeatable), "
+      "for another GPU's measured costs or to check how much a result depends on them; KIND and "
+      "default (an H200's median: Note [Simulated time]):";
+  for (const auto& [kind, us] : replay::call_cost_kinds(SimCallCosts{})) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, " %s=%g", kind.c_str(), us);
+    cost_help += buf;
+  }
+  cost_help += " (create/release_physical/map per handle, unmap per mapping removed, pool_op per "
+               "stream-ordered allocate or free)";
+  app.add_option("--call-cost", call_costs, cost_help)->allow_extra_args(false);
   app.add_flag("--quiet,-q", quiet, "no progress output on stderr");
   app.add_flag("--list-policies", list, "list the registered policies and exit");
   CLI11_PARSE(app, argc, argv);
@@ -140,6 +153,14 @@ int main(int argc, char** argv) {
 
   try {
     std::size_t capacity = parse_capacity(capacity_text);
+    SimCallCosts costs;
+    for (const std::string& c : call_costs) {
+      replay::apply_call_cost(costs, c);
+    }
+    if (on_gpu && !call_costs.empty()) {
+      throw ConfigError("--call-cost applies to the simulated device only (--device sim); on the "
+                        "GPU every call costs what it costs");
+    }
     if (policies.empty() && !on_gpu) {
       for (const PolicyInfo& p : registered_policies()) {
         policies.emplace_back(p.name);
@@ -202,6 +223,7 @@ int main(int argc, char** argv) {
       opts.plot_points = plot_path.empty() ? 0 : 2000;
       opts.phases = phases;
       opts.gpu_lag_us = gpu_lag_us;
+      opts.call_costs = costs;
       std::string conf;
       if (auto it = conf_of.find(p); it != conf_of.end()) {
         conf = it->second;
@@ -234,6 +256,16 @@ int main(int argc, char** argv) {
     std::printf("trace %s: %s events, %u allocations, device %d, simulated capacity %s\n",
                 name.c_str(), with_commas(prepared.trace_events).c_str(), prepared.slots,
                 prepared.device, format_bytes(capacity).c_str());
+    if (!call_costs.empty()) {
+      std::printf("simulated call costs (us):");
+      const auto defaults = replay::call_cost_kinds(SimCallCosts{});
+      const auto used = replay::call_cost_kinds(costs);
+      for (std::size_t i = 0; i < used.size(); ++i) {
+        std::printf(" %s %g%s", used[i].first.c_str(), used[i].second,
+                    used[i].second != defaults[i].second ? " (set)" : "");
+      }
+      std::printf("\n");
+    }
     std::printf("%-11s %18s %18s %7s %9s %9s %8s %8s %7s %12s\n", "policy", "peak reserved",
                 "peak requested", "ratio", "reserves", "releases", "maps", "unmaps", "failed",
                 "events/s");
@@ -321,6 +353,10 @@ int main(int argc, char** argv) {
       j["trace"] = trace_path;
       j["events"] = prepared.trace_events;
       j["capacity_bytes"] = capacity;
+      j["call_costs_us"] = nlohmann::json::object();
+      for (const auto& [kind, us] : replay::call_cost_kinds(costs)) {
+        j["call_costs_us"][kind] = us;
+      }
       j["recorded"] = {{"peak_reserved_bytes", prepared.recorded_peak_reserved},
                        {"segments", prepared.segments.size()}};
       j["peak_requested_bytes"] = prepared.peak_requested;
@@ -347,6 +383,7 @@ int main(int argc, char** argv) {
           p["mapped_bytes"] = r.mapped_bytes;
           p["failed_allocations"] = r.failed_allocations;
           p["events_per_second"] = r.events_per_second;
+          p["simulated_call_ns"] = r.charged_ns;  // what its device calls cost the simulated host
           p["replay_seconds"] = r.seconds;
           if (!r.detail.empty()) {
             p["detail"] = r.detail;

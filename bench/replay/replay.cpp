@@ -16,7 +16,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <exception>
+#include <string>
 #include <unordered_map>
+#include <utility>
 
 namespace cachealloc::replay {
 namespace {
@@ -171,6 +174,58 @@ std::uint64_t stream_peaks_sum(const PreparedTrace& trace) {
   return sum;
 }
 
+namespace {
+/// The --call-cost kinds and the SimCallCosts field each sets.
+constexpr std::pair<const char*, std::uint64_t SimCallCosts::*> kCallCostFields[] = {
+    {"reserve", &SimCallCosts::reserve_ns},
+    {"release", &SimCallCosts::release_ns},
+    {"create", &SimCallCosts::create_ns},
+    {"release_physical", &SimCallCosts::release_physical_ns},
+    {"map", &SimCallCosts::map_ns},
+    {"unmap", &SimCallCosts::unmap_ns},
+    {"pool_op", &SimCallCosts::pool_op_ns},
+};
+}  // namespace
+
+std::vector<std::pair<std::string, double>> call_cost_kinds(const SimCallCosts& costs) {
+  std::vector<std::pair<std::string, double>> out;
+  for (const auto& [name, field] : kCallCostFields) {
+    out.emplace_back(name, static_cast<double>(costs.*field) / 1000.0);
+  }
+  return out;
+}
+
+void apply_call_cost(SimCallCosts& costs, const std::string& spec) {
+  std::string kinds;
+  for (const auto& [name, field] : kCallCostFields) {
+    kinds += kinds.empty() ? name : std::string(", ") + name;
+  }
+  const auto eq = spec.find('=');
+  const std::string kind = spec.substr(0, eq);
+  for (const auto& [name, field] : kCallCostFields) {
+    if (kind != name) {
+      continue;
+    }
+    const std::string value = eq == std::string::npos ? std::string() : spec.substr(eq + 1);
+    double us = -1;
+    std::size_t used = 0;
+    try {
+      us = std::stod(value, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    // At most an hour per call: beyond that the simulated clock would overflow in a long trace.
+    if (value.empty() || used != value.size() || !(us >= 0) || us > 3.6e9) {
+      throw ConfigError("--call-cost " + spec + ": expected " + kind +
+                        "=MICROSECONDS, a number from 0 to 3600000000, e.g. " + kind + "=55");
+    }
+    costs.*field = static_cast<std::uint64_t>(us * 1000.0 + 0.5);
+    return;
+  }
+  throw ConfigError("--call-cost " + spec + ": unknown kind '" + kind +
+                    "'; expected KIND=MICROSECONDS with KIND one of " + kinds);
+}
+
 std::string native_conf_from_settings(const trace::AllocatorSettings& s) {
   std::string conf;
   if (!s.present) {
@@ -280,6 +335,7 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
   sim_options.auto_complete_events = true;  // Note [Simulated events] (sim_backend.h)
   sim_options.model_call_costs = true;      // Note [Simulated time]
   sim_options.event_lag_ns = options.gpu_lag_us * 1000;
+  sim_options.costs = options.call_costs;
   auto backend = std::make_unique<SimBackend>(sim_options);
   SimBackend& sim = *backend;
   if (policy == "native") {
@@ -369,6 +425,7 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
   const auto stop = std::chrono::steady_clock::now();
   r.seconds = std::chrono::duration<double>(stop - start).count();
   r.events_per_second = r.seconds > 0 ? static_cast<double>(trace.trace_events) / r.seconds : 0;
+  r.charged_ns = sim.charged_ns();
 
   for (std::size_t k = r.phases.size(); k-- > 1;) {
     r.phases[k].device_calls -= r.phases[k - 1].device_calls;

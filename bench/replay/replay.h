@@ -109,6 +109,8 @@ struct PolicyResult {
   std::uint64_t failed_allocations = 0;
   double seconds = 0;
   double events_per_second = 0;
+  /// The simulated host time the policy's device calls cost (SimCallCosts), in nanoseconds.
+  std::uint64_t charged_ns = 0;
   std::optional<Fidelity> fidelity;
   std::vector<Sample> samples;  ///< for plots
   std::vector<Phase> phases;    ///< ReplayOptions::phases slices, in order
@@ -129,7 +131,15 @@ struct ReplayOptions {
   /// How long after the host the simulated GPU finishes the work queued on a stream (0: at
   /// once): SimOptions::event_lag_ns, Note [Simulated events].
   std::uint64_t gpu_lag_us = 0;
+  /// What each device call costs the simulated host (SimOptions::costs; the H200's by default).
+  SimCallCosts call_costs{};
 };
+
+/// Sets one entry of `costs` from "KIND=MICROSECONDS" (cachealloc-replay --call-cost), KIND one of
+/// call_cost_kinds(). Throws ConfigError naming the kinds on anything else.
+void apply_call_cost(SimCallCosts& costs, const std::string& spec);
+/// The KIND names apply_call_cost() takes, with the value each has in `costs`, in microseconds.
+std::vector<std::pair<std::string, double>> call_cost_kinds(const SimCallCosts& costs);
 
 /// Plays a prepared trace's operations, one at a time, on an allocator over a simulated device
 /// (Note [Replaying frees]). run() uses it; so do tests that check the allocator between

@@ -50,7 +50,7 @@ def parse_variants(args) -> list[dict]:
             raise ValueError(f"--variant expects NAME=SETTINGS (SETTINGS may be empty), got '{v}'")
         if any(x["name"] == name for x in variants):
             raise ValueError(f"--variant {name} given twice")
-        variants.append({"name": name, "conf": conf, "replay": args.replay, "env": {}})
+        variants.append({"name": name, "conf": conf, "replay": args.replay, "env": {}, "args": []})
     by_name = {v["name"]: v for v in variants}
     for item in args.replay_for:
         name, sep, binary = item.partition("=")
@@ -63,6 +63,11 @@ def parse_variants(args) -> list[dict]:
         if not sep or not sep2 or name not in by_name or not var:
             raise ValueError(f"--env expects NAME=VAR=VALUE for a --variant NAME, got '{item}'")
         by_name[name]["env"][var] = value
+    for item in args.call_cost:
+        name, sep, spec = item.partition("=")
+        if not sep or name not in by_name or "=" not in spec:
+            raise ValueError(f"--call-cost expects NAME=KIND=MICROSECONDS for a --variant NAME, got '{item}'")
+        by_name[name]["args"] += ["--call-cost", spec]
     for v in variants:
         if not os.access(v["replay"], os.X_OK):
             raise ValueError(f"{v['replay']} (variant {v['name']}) is not an executable; build it "
@@ -77,7 +82,8 @@ def run_pair(trace: str, lag: int, variants: list[dict], check_every: int) -> di
     row = {"trace": short_name(trace), "lag_us": lag,
            "expandable": expandable["policies"][0]["ratio"], "variants": {}}
     for v in variants:
-        extra = ["-p", "defrag", *lag_args] + (["-c", f"defrag={v['conf']}"] if v["conf"] else [])
+        extra = (["-p", "defrag", *lag_args, *v["args"]] +
+                 (["-c", f"defrag={v['conf']}"] if v["conf"] else []))
         d = replay(v["replay"], trace, extra, check_every, v["env"])["policies"][0]
         row["variants"][v["name"]] = {"ratio": d["ratio"], "maps": d["map_calls"],
                                       "unmaps": d["unmap_calls"]}
@@ -129,6 +135,10 @@ def main() -> int:
                     help="another cachealloc-replay binary for one variant (a build of another commit)")
     ap.add_argument("--env", action="append", default=[], metavar="NAME=VAR=VALUE",
                     help="an environment variable for one variant's replays (repeatable)")
+    ap.add_argument("--call-cost", action="append", default=[], metavar="NAME=KIND=MICROSECONDS",
+                    help="what one device call costs the simulated host in one variant's replays "
+                         "(cachealloc-replay --call-cost KIND=MICROSECONDS, e.g. slow=map=66; "
+                         "repeatable): how much a result depends on the modelled costs")
     ap.add_argument("--lags", default="0,2000,100000",
                     help="GPU lags in microseconds, comma-separated (default: %(default)s; 100 ms "
                          "stands for a host that queues a whole inference step ahead of the GPU)")

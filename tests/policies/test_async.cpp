@@ -571,7 +571,7 @@ TEST_CASE("async: the pool's reserved bytes are read when someone looks, and sta
 TEST_CASE("async: stats time the pool's calls by the backend's clock (Note [Time in the pool's calls])",
           "[async][stats]") {
   SimOptions o;
-  o.model_call_costs = true;  // every pool call moves the simulated clock by kCallCostNs
+  o.model_call_costs = true;  // every pool call moves the simulated clock by costs.pool_op_ns
   auto [sim, a] = test::make_sim_allocator("async", o);
   std::vector<void*> ptrs;
   for (int i = 0; i < 20; ++i) {
@@ -584,9 +584,9 @@ TEST_CASE("async: stats time the pool's calls by the backend's clock (Note [Time
   const Stats s = a->stats();
   REQUIRE(s.pool.has_value());
   CHECK(s.pool->pool_calls >= 40);
-  // Each call costs kCallCostNs, and a call that grows the pool also its physical pages'
+  // Each call costs costs.pool_op_ns, and a call that grows the pool also its physical pages'
   // creation and mapping; nothing else in this sequence moves the clock.
-  CHECK(s.pool->pool_ns >= s.pool->pool_calls * SimStreamPool::kCallCostNs);
+  CHECK(s.pool->pool_ns >= s.pool->pool_calls * SimCallCosts{}.pool_op_ns);
   CHECK(s.pool->pool_ns == sim->clock_ns());
   CHECK(s.to_map().at("pool.ns") == static_cast<std::int64_t>(s.pool->pool_ns));
   // Without the cost model the simulated clock stands still: nothing is charged.

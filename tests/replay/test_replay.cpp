@@ -228,6 +228,43 @@ TEST_CASE("replay: --phases splits the device calls into slices that add up to t
   CHECK(r.phases.back().reserved <= r.peak_reserved);
 }
 
+TEST_CASE("replay: --call-cost sets what a simulated device call costs, and rejects anything else",
+          "[replay]") {
+  SimCallCosts c;
+  replay::apply_call_cost(c, "map=65");
+  replay::apply_call_cost(c, "unmap=27.5");
+  replay::apply_call_cost(c, "pool_op=0");
+  CHECK(c.map_ns == 65'000);
+  CHECK(c.unmap_ns == 27'500);
+  CHECK(c.pool_op_ns == 0);
+  CHECK(c.create_ns == SimCallCosts{}.create_ns);  // the others keep the H200's
+  for (const char* bad : {"map", "map=", "map=x", "map=-1", "map=5us", "map=1e20", "=5", "maps=5"}) {
+    INFO(bad);
+    CHECK_THROWS_AS(replay::apply_call_cost(c, bad), ConfigError);
+  }
+  try {
+    replay::apply_call_cost(c, "mapp=3");
+  } catch (const ConfigError& e) {
+    const std::string what = e.what();
+    CHECK(what.find("unknown kind 'mapp'") != std::string::npos);
+    CHECK(what.find("map, unmap") != std::string::npos);  // names the kinds
+  }
+  CHECK(c.map_ns == 65'000);  // a rejected spec changes nothing
+  const auto kinds = replay::call_cost_kinds(c);
+  REQUIRE(kinds.size() == 7);
+  CHECK(kinds[4] == std::pair<std::string, double>{"map", 65.0});
+  // A replay charges them: the same trace, maps ten times dearer, spends more time moving.
+  const replay::PreparedTrace& t = prepared("gpt2_train_varlen.pickle.xz");
+  replay::ReplayOptions opts;
+  const replay::PolicyResult usual = replay::run(t, "async", "", opts);
+  opts.call_costs.pool_op_ns = 10 * SimCallCosts{}.pool_op_ns;
+  const replay::PolicyResult dear = replay::run(t, "async", "", opts);
+  REQUIRE(usual.error.empty());
+  REQUIRE(dear.error.empty());
+  CHECK(usual.charged_ns > 0);
+  CHECK(dear.charged_ns > usual.charged_ns);
+}
+
 #ifdef CACHEALLOC_HAS_DEFRAG
 TEST_CASE("replay: defrag reports its counters, and a lagging GPU makes its waits cost time",
           "[replay][defrag]") {

@@ -29,7 +29,8 @@
 // median cost measured on an H200 (../shared/traces/README.md) of each call made: reserve 90 us,
 // release 90 us, create_physical 13.6 us, release_physical 13.6 us, map 55 us per handle mapped
 // (cuMemMap + cuMemSetAccess), unmap 3 us per mapping removed, 0.725 us per stream-ordered
-// pool allocate_async or free_async (half a warm pair). The unmap figure is what cuda_vmm's
+// pool allocate_async or free_async (half a warm pair); SimCallCosts holds them, and
+// cachealloc-replay --call-cost sets others (another GPU's, or a sensitivity check). The unmap figure is what cuda_vmm's
 // default, background_unmap, costs the allocating thread (2-3 us per call on the H200 in
 // bench/e2e: the call is queued, and cuMemUnmap itself, 27 us median, 90-500 us under load,
 // runs on the backend's thread); it was 27 us until session 23, which made replays charge the
@@ -71,6 +72,20 @@ enum class SimFault : std::uint8_t {
   device_error,   ///< the call throws DeviceError
 };
 
+/// What each device call costs the host on the simulated clock, with SimOptions::model_call_costs
+/// (Note [Simulated time]). The defaults are the H200's; cachealloc-replay --call-cost sets others.
+struct SimCallCosts {
+  std::uint64_t reserve_ns = 90'000;           ///< cudaMalloc (native's segments)
+  std::uint64_t release_ns = 90'000;           ///< cudaFree
+  std::uint64_t create_ns = 13'600;            ///< cuMemCreate, per handle
+  std::uint64_t release_physical_ns = 13'600;  ///< cuMemRelease, per handle
+  std::uint64_t map_ns = 55'000;               ///< cuMemMap + cuMemSetAccess, per handle mapped
+  std::uint64_t unmap_ns = 3'000;              ///< per mapping removed (background_unmap's share)
+  /// A stream-ordered allocate_async or free_async: half of a warm cudaMallocAsync +
+  /// cudaFreeAsync pair on an H200 (1.45 us).
+  std::uint64_t pool_op_ns = 725;
+};
+
 struct SimOptions {
   int device = 0;
   std::size_t capacity = std::size_t{143771} * kMiB;  ///< an H200's cudaMemGetInfo total
@@ -78,6 +93,7 @@ struct SimOptions {
   bool auto_complete_events = false;  ///< Note [Simulated events]
   /// Advance clock_ns() by an H200's median cost of each device call (Note [Simulated time]).
   bool model_call_costs = false;
+  SimCallCosts costs{};  ///< what model_call_costs charges
   /// With auto_complete_events: an event completes this long (on clock_ns()) after it was
   /// recorded instead of at once, as a GPU finishes work some time after the host queued it
   /// (Note [Simulated events]).
@@ -123,6 +139,9 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
     clock_ns_ = std::max(clock_ns_, ns + charged_ns_);
   }
   [[nodiscard]] std::uint64_t clock_ns() const noexcept override { return clock_ns_; }
+  /// The modelled cost of every device call made so far (0 without model_call_costs).
+  [[nodiscard]] std::uint64_t charged_ns() const noexcept { return charged_ns_; }
+  [[nodiscard]] const SimCallCosts& call_costs() const noexcept { return options_.costs; }
   [[nodiscard]] std::size_t pending_events() const;
   [[nodiscard]] std::size_t live_events() const noexcept { return events_.size(); }
   /// Events recorded on `stream` so far, and how many of them completed (in stream order).

@@ -56,10 +56,6 @@ class SimStreamPool final : public StreamOrderedMemory {
 
   /// `vm` is `sim`'s virtual-memory half (SimBackend passes itself).
   SimStreamPool(SimBackend& sim, VirtualMemory& vm) noexcept : sim_(sim), vm_(vm) {}
-  /// What one allocate_async or free_async costs on the simulated clock with
-  /// SimOptions::model_call_costs: half of a warm cudaMallocAsync + cudaFreeAsync pair on an H200
-  /// (1.45 us).
-  static constexpr std::uint64_t kCallCostNs = 725;
   ~SimStreamPool() override;
   SimStreamPool(const SimStreamPool&) = delete;
   SimStreamPool& operator=(const SimStreamPool&) = delete;
