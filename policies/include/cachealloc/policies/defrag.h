@@ -49,9 +49,9 @@
 //                     moves over move_budget (waits more than three tenths of their time)
 //                     (default True; Note [Waits that switch to moving pending], defrag_grow.cpp)
 //   avoid_queued_unmaps  place a block that needs pages mapped past unmapped holes whose
-//                     unmap still waits for a stream's work (pages moved pending), instead of
-//                     waiting for that work there (default True; Note [Placing away from
-//                     queued unmaps], defrag_grow.cpp)
+//                     unmap still waits for a stream's work (pages moved pending), or above
+//                     such unmaps in the same hole, instead of waiting for that work there
+//                     (default True; Note [Placing away from queued unmaps], defrag_grow.cpp)
 //   max_chunk_mb      the largest physical handle created, in MiB (default 1024; rounded down
 //                     to whole pages; the page size, 2 on the H200, gives one handle per page:
 //                     every page can move alone, but each costs its own cuMemCreate and cuMemMap)
