@@ -493,7 +493,8 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
                   " growths placed past a hole whose unmap had not run yet";
     }
     if (d.placed_above_queued != 0) {
-      r.detail += " (" + std::to_string(d.placed_above_queued) + " of them above its queued unmaps)";
+      r.detail +=
+          " (" + std::to_string(d.placed_above_queued) + " of them above its queued unmaps)";
     }
     if (d.placed_at_top != 0) {  // Note [A block that ends with the free pages above it]
       r.detail += ", " + std::to_string(d.placed_at_top) +

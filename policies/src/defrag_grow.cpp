@@ -315,7 +315,7 @@ Node* DefragEngine::grow(std::uint32_t kind, std::uint32_t cls, std::size_t size
     Arena& arena = *hole->arena;
     const std::uintptr_t map_at = at_top ? hole->end() - total * page_ : lo;
     const std::size_t first = page_index(arena, map_at);
-    Node* below = nullptr;  // the hole's part below lo, when the pages go above its start
+    Node* below = nullptr;  // the hole's part below map_at, when the pages go above its start
     try {
       if (arena.pages.size() < first + total) {
         arena.pages.resize(first + total, 0);

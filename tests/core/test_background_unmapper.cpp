@@ -213,7 +213,8 @@ TEST_CASE("background unmapper: a range is never mapped over while its unmap is 
   CHECK(u.completed() > 100);
 }
 
-TEST_CASE("background unmapper: end_behind_stream_work gives where the ranges that wait for a stream end",
+TEST_CASE("background unmapper: end_behind_stream_work gives where the ranges that wait for a "
+          "stream end",
           "[core][unmapper]") {
   // Placement's hint (Note [Placing away from queued unmaps], defrag_grow.cpp): an unmap tagged
   // with a stream's work, or queued behind one, may keep a map waiting as long as the stream

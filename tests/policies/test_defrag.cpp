@@ -690,7 +690,8 @@ TEST_CASE("defrag: a growth is placed away from a range whose unmap still waits 
   }
   CHECK(f.policy.counters().placed_past_queued == before.placed_past_queued + 1);
   for (const auto& [va, bytes] : freed) {
-    CHECK(f.sim.queued_unmap_end(va, bytes) == va + bytes);  // no map waited for (and so ran) one of them
+    // No map waited for (and so ran) one of them.
+    CHECK(f.sim.queued_unmap_end(va, bytes) == va + bytes);
     CHECK_FALSE(overlap(addr_of(next), next.size, va, bytes));
   }
   f.sim.complete_stream(0);

@@ -238,7 +238,8 @@ TEST_CASE("replay: --call-cost sets what a simulated device call costs, and reje
   CHECK(c.unmap_ns == 27'500);
   CHECK(c.pool_op_ns == 0);
   CHECK(c.create_ns == SimCallCosts{}.create_ns);  // the others keep the H200's
-  for (const char* bad : {"map", "map=", "map=x", "map=-1", "map=5us", "map=1e20", "=5", "maps=5"}) {
+  for (const char* bad :
+       {"map", "map=", "map=x", "map=-1", "map=5us", "map=1e20", "=5", "maps=5"}) {
     INFO(bad);
     CHECK_THROWS_AS(replay::apply_call_cost(c, bad), ConfigError);
   }
@@ -327,7 +328,8 @@ TEST_CASE("replay: defrag stops waiting for a stream that runs far behind, not f
   // Below expandable segments on the same replay (1.032 of the live peak). It was within issue
   // 5's 1.02 too until session 22 (1.015); since unmaps cost the simulated host 3 us (Note
   // [Simulated time], sim_backend.h) it holds 1.0204.
-  const replay::PolicyResult expandable = replay::run(t, "native", "expandable_segments:True", opts);
+  const replay::PolicyResult expandable =
+      replay::run(t, "native", "expandable_segments:True", opts);
   CHECK(switched.peak_reserved < expandable.peak_reserved);
   CHECK(ratio(switched) + 0.05 < ratio(waiting));
 
@@ -367,7 +369,8 @@ TEST_CASE("replay: defrag places growths above queued unmaps and at the top of a
   CHECK(ratio(lagging) <= 1.02);
   opts.gpu_lag_us = 0;
   const replay::PolicyResult keeping_up = replay::run(t, "defrag", "", opts);
-  const replay::PolicyResult expandable = replay::run(t, "native", "expandable_segments:True", opts);
+  const replay::PolicyResult expandable =
+      replay::run(t, "native", "expandable_segments:True", opts);
   REQUIRE(keeping_up.error.empty());
   INFO(keeping_up.detail);
   CHECK(keeping_up.detail.find("at the top of their hole") != std::string::npos);

@@ -166,7 +166,8 @@ std::size_t CudaVmmBackend::pending_unmaps() const noexcept {
   return unmapper_ != nullptr ? unmapper_->pending() : 0;
 }
 
-std::uintptr_t CudaVmmBackend::queued_unmap_end(std::uintptr_t va, std::size_t bytes) const noexcept {
+std::uintptr_t CudaVmmBackend::queued_unmap_end(std::uintptr_t va,
+                                                std::size_t bytes) const noexcept {
   try {
     return unmapper_ != nullptr ? unmapper_->end_behind_stream_work(va, bytes) : 0;
   } catch (...) {  // a failed lock: only a hint, the map waits as before

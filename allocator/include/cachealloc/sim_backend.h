@@ -30,11 +30,11 @@
 // release 90 us, create_physical 13.6 us, release_physical 13.6 us, map 55 us per handle mapped
 // (cuMemMap + cuMemSetAccess), unmap 3 us per mapping removed, 0.725 us per stream-ordered
 // pool allocate_async or free_async (half a warm pair); SimCallCosts holds them, and
-// cachealloc-replay --call-cost sets others (another GPU's, or a sensitivity check). The unmap figure is what cuda_vmm's
-// default, background_unmap, costs the allocating thread (2-3 us per call on the H200 in
-// bench/e2e: the call is queued, and cuMemUnmap itself, 27 us median, 90-500 us under load,
-// runs on the backend's thread); it was 27 us until session 23, which made replays charge the
-// policy's time budget ten times what the GPU charges it (bench/results/
+// cachealloc-replay --call-cost sets others (another GPU's, or a sensitivity check). The unmap
+// figure is what cuda_vmm's default, background_unmap, costs the allocating thread (2-3 us per
+// call on the H200 in bench/e2e: the call is queued, and cuMemUnmap itself, 27 us median, 90-500
+// us under load, runs on the backend's thread); it was 27 us until session 23, which made
+// replays charge the policy's time budget ten times what the GPU charges it (bench/results/
 // defrag_session23_2026-12-04.md). Charged costs add up and delay
 // every later driver time, as calls on a real device would. Waiting for an event costs nothing:
 // the model cannot know how far the GPU is behind. Without either, the clock stands still, so
