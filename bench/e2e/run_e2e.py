@@ -998,15 +998,17 @@ def _heaviest_step(r: dict[str, Any]) -> dict[str, int]:
 
 def _defrag_run(r: dict[str, Any]) -> Optional[dict[str, Any]]:
     """What policy defrag's time budget did over the whole run (defrag_counters_run): its peak,
-    slack raises (of which on time), whether it switched to moving pending, and the share of its
-    charged growth time spent waiting for streams (None for other allocators)."""
+    slack raises (of which on time), whether it switched to moving pending, the share of its
+    charged growth time spent waiting for streams, and its growths placed above queued unmaps or
+    at the top of a hole (None for other allocators)."""
     c = r.get("defrag_counters_run")
     if not c or "defrag.pending_switches" not in c or r.get("peak_bytes") is None:
         return None
     move = c.get("defrag.move_ns", 0)
     return {"peak": r["peak_bytes"], "raises": c.get("defrag.slack_raises", 0),
             "on_time": c.get("defrag.budget_raises", 0), "switched": bool(c["defrag.pending_switches"]),
-            "wait_share": c.get("defrag.wait_ns", 0) / move if move else None}
+            "wait_share": c.get("defrag.wait_ns", 0) / move if move else None,
+            "above": c.get("defrag.placed_above_queued"), "top": c.get("defrag.placed_at_top")}
 
 
 def _quiet_steps(r: dict[str, Any]) -> Optional[dict[str, Any]]:
@@ -1322,6 +1324,8 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any], meta: dict[str, 
                     f"{d['peak'] / MiB:,.0f} MiB / {d['raises']} ({d['on_time']} on time) / "
                     + ("switched" if d["switched"] else "no")
                     + (f" / {100 * d['wait_share']:.0f}%" if d["wait_share"] is not None else "")
+                    + (f" / placed {d['above']} above queued unmaps, {d['top']} at the top"
+                       if d.get("above") or d.get("top") else "")
                     for d in ds)
                 lines.append(f"- {cfg}, each run's whole life (peak / slack raises / switched to moving "
                              f"pending / waits' share of the growths that moved or waited): {per_run}; "
