@@ -196,10 +196,6 @@ std::vector<std::pair<std::string, double>> call_cost_kinds(const SimCallCosts& 
 }
 
 void apply_call_cost(SimCallCosts& costs, const std::string& spec) {
-  std::string kinds;
-  for (const auto& [name, field] : kCallCostFields) {
-    kinds += kinds.empty() ? name : std::string(", ") + name;
-  }
   const auto eq = spec.find('=');
   const std::string kind = spec.substr(0, eq);
   for (const auto& [name, field] : kCallCostFields) {
@@ -221,6 +217,10 @@ void apply_call_cost(SimCallCosts& costs, const std::string& spec) {
     }
     costs.*field = static_cast<std::uint64_t>(us * 1000.0 + 0.5);
     return;
+  }
+  std::string kinds;
+  for (const auto& [name, field] : kCallCostFields) {
+    kinds += kinds.empty() ? name : std::string(", ") + name;
   }
   throw ConfigError("--call-cost " + spec + ": unknown kind '" + kind +
                     "'; expected KIND=MICROSECONDS with KIND one of " + kinds);
