@@ -181,6 +181,10 @@ std::uint32_t DefragEngine::class_of(StreamId stream) {
     ++cls;
   }
   if (cls == streams_.size()) {
+    if (cls == kMaxClasses) {  // Note [One word ranks a hole]: the key holds 20 bits of class
+      throw UsageError("policy defrag: more than " + std::to_string(kMaxClasses) +
+                       " streams allocated on one device; it ranks holes by stream in 20 bits");
+    }
     StreamState s;
     s.id = stream;
     s.completed = epoch_ - 1;
@@ -351,9 +355,10 @@ void DefragEngine::unlink(Node* n) noexcept {
 }
 
 IndexKey DefragEngine::key_of(const Node* n) const noexcept {
-  const std::uint64_t kind = n->arena->kind;
-  const std::uint64_t bucket = n->state == State::unmapped_free ? kind : (kind << 32 | n->cls);
-  return IndexKey{bucket, n->size, n->addr, const_cast<Node*>(n)};
+  const std::uint32_t kind = n->arena->kind;
+  const std::uint64_t bucket = n->state == State::unmapped_free ? IndexKey::unmapped_bucket(kind)
+                                                                 : IndexKey::mapped_bucket(kind, n->cls);
+  return IndexKey{IndexKey::rank_of(bucket, n->size), n->addr, const_cast<Node*>(n)};
 }
 
 void DefragEngine::index_put(Node* n) {
@@ -367,8 +372,7 @@ void DefragEngine::index_put(Node* n) {
   n->indexed = false;  // until the index holds the new key (an insert may fail)
   // Field by field into the node, and the index reads the key from there: a freshly built
   // key copied whole stalls on store forwarding (Note [A B+tree for best-fit searches]).
-  n->key.bucket = now.bucket;
-  n->key.size = now.size;
+  n->key.rank = now.rank;
   n->key.addr = now.addr;
   n->key.node = n;
   if (was_indexed) {
@@ -640,9 +644,9 @@ void DefragEngine::flush_recent() noexcept {
 }
 
 Node* DefragEngine::find_own(std::uint32_t kind, std::uint32_t cls, std::size_t size) const {
-  const std::uint64_t own = std::uint64_t{kind} << 32 | cls;
-  auto it = mapped_.lower_bound(IndexKey{own, size, 0, nullptr});
-  return it != mapped_.end() && it->bucket == own ? it->node : nullptr;
+  const std::uint64_t own = IndexKey::mapped_bucket(kind, cls);
+  auto it = mapped_.lower_bound(IndexKey::at_least(own, size));
+  return it != mapped_.end() && it->bucket() == own ? it->node : nullptr;
 }
 
 Node* DefragEngine::find_other(std::uint32_t kind, std::uint32_t cls, std::size_t size) const {
@@ -653,12 +657,12 @@ Node* DefragEngine::find_other(std::uint32_t kind, std::uint32_t cls, std::size_
     if (other == cls) {
       continue;
     }
-    const std::uint64_t bucket = std::uint64_t{kind} << 32 | other;
+    const std::uint64_t bucket = IndexKey::mapped_bucket(kind, other);
     int skips = 0;
-    for (auto jt = mapped_.lower_bound(IndexKey{bucket, size, 0, nullptr});
-         jt != mapped_.end() && jt->bucket == bucket && skips < kMaxPendingSkips; ++jt, ++skips) {
+    for (auto jt = mapped_.lower_bound(IndexKey::at_least(bucket, size));
+         jt != mapped_.end() && jt->bucket() == bucket && skips < kMaxPendingSkips; ++jt, ++skips) {
       if (best != nullptr &&
-          (jt->size > best->size || (jt->size == best->size && jt->addr > best->addr))) {
+          (jt->size() > best->size || (jt->size() == best->size && jt->addr > best->addr))) {
         break;
       }
       if (safe(jt->node)) {

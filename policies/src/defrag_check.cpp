@@ -73,13 +73,13 @@ void DefragEngine::check_invariants() const {
       }
       if (n->indexed) {
         const IndexKey& k = n->key;
-        CACHEALLOC_CHECK_INVARIANT(k.node == n && k.size == n->size && k.addr == n->addr,
+        CACHEALLOC_CHECK_INVARIANT(k.node == n && k.size() == n->size && k.addr == n->addr,
                                    "index key out of date" + where());
         const auto entry = index_of(n).find(k);
         CACHEALLOC_CHECK_INVARIANT(entry != index_of(n).end() && entry->node == n,
                                    "indexed hole not found under its key" + where());
         const IndexKey expected = key_of(n);
-        CACHEALLOC_CHECK_INVARIANT(k.bucket == expected.bucket, "index bucket out of date" + where());
+        CACHEALLOC_CHECK_INVARIANT(k.bucket() == expected.bucket(), "index bucket out of date" + where());
       }
       // Pages: mapped exactly outside unmapped holes.
       for (std::uintptr_t p = page_down(n->addr); p < n->end(); p += page_) {

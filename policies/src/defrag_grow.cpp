@@ -196,11 +196,12 @@ DefragEngine::Placement DefragEngine::place_unmapped(std::uint32_t kind, std::ui
   Placement queued;  // the first fit whose pages would wait for a queued unmap
   Placement above;   // the first such fit with room for the block above its queued unmaps
   int skipped = 0;
-  auto it = unmapped_.lower_bound(IndexKey{kind, lowest, 0, nullptr});
-  for (int tried = 0; it != unmapped_.end() && it->bucket == kind; ++it, ++tried) {
-    if (tried == kUnmappedCandidates && it->size < size) {
-      it = unmapped_.lower_bound(IndexKey{kind, size, 0, nullptr});
-      if (it == unmapped_.end() || it->bucket != kind) {
+  const std::uint64_t bucket = IndexKey::unmapped_bucket(kind);
+  auto it = unmapped_.lower_bound(IndexKey::at_least(bucket, lowest));
+  for (int tried = 0; it != unmapped_.end() && it->bucket() == bucket; ++it, ++tried) {
+    if (tried == kUnmappedCandidates && it->size() < size) {
+      it = unmapped_.lower_bound(IndexKey::at_least(bucket, size));
+      if (it == unmapped_.end() || it->bucket() != bucket) {
         break;
       }
     }
