@@ -152,6 +152,7 @@ Arena* DefragEngine::new_arena(std::uint32_t kind, std::size_t at_least) {
     n->addr = base;
     n->size = bytes;
     n->arena = arena;
+    n->kind = static_cast<std::uint8_t>(kind);
     n->state = State::unmapped_free;
     arena->head = n;
     arenas_.push_back(std::move(owned));
@@ -323,6 +324,7 @@ void DefragEngine::recycle(Node* n) noexcept {
 
 void DefragEngine::link_after(Node* pos, Node* n) noexcept {
   n->arena = pos->arena;
+  n->kind = pos->kind;
   n->prev = pos;
   n->next = pos->next;
   if (pos->next != nullptr) {
@@ -333,6 +335,7 @@ void DefragEngine::link_after(Node* pos, Node* n) noexcept {
 
 void DefragEngine::link_before(Node* pos, Node* n) noexcept {
   n->arena = pos->arena;
+  n->kind = pos->kind;
   n->next = pos;
   n->prev = pos->prev;
   if (pos->prev != nullptr) {
@@ -355,39 +358,36 @@ void DefragEngine::unlink(Node* n) noexcept {
 }
 
 IndexKey DefragEngine::key_of(const Node* n) const noexcept {
-  const std::uint32_t kind = n->arena->kind;
-  const std::uint64_t bucket = n->state == State::unmapped_free ? IndexKey::unmapped_bucket(kind)
-                                                                 : IndexKey::mapped_bucket(kind, n->cls);
+  const std::uint64_t bucket = n->state == State::unmapped_free
+                                   ? IndexKey::unmapped_bucket(n->kind)
+                                   : IndexKey::mapped_bucket(n->kind, n->cls);
   return IndexKey{IndexKey::rank_of(bucket, n->size), n->addr, const_cast<Node*>(n)};
 }
 
 void DefragEngine::index_put(Node* n) {
   Index& index = index_of(n);
   const IndexKey now = key_of(n);
-  if (n->indexed && !(n->key < now) && !(now < n->key)) {
+  if (n->indexed && n->key_rank == now.rank && n->key_addr == now.addr) {
     return;
   }
-  const IndexKey old = n->key;
+  const IndexKey old = n->indexed_key();
   const bool was_indexed = n->indexed;
   n->indexed = false;  // until the index holds the new key (an insert may fail)
-  // Field by field into the node, and the index reads the key from there: a freshly built
-  // key copied whole stalls on store forwarding (Note [A B+tree for best-fit searches]).
-  n->key.rank = now.rank;
-  n->key.addr = now.addr;
-  n->key.node = n;
+  n->key_rank = now.rank;
+  n->key_addr = now.addr;
   if (was_indexed) {
     // Most changes keep the key between its neighbours: update() changes it where it is, else
     // erases it and inserts the new key.
-    index.update(old, n->key);
+    index.update(old, now);
   } else {
-    index.insert(n->key);
+    index.insert(now);
   }
   n->indexed = true;
 }
 
 void DefragEngine::index_remove(Node* n) noexcept {
   if (n->indexed) {
-    index_of(n).erase(n->key);
+    index_of(n).erase(n->indexed_key());
     n->indexed = false;
   }
 }
@@ -694,6 +694,7 @@ Node* DefragEngine::carve(Node* f, std::uintptr_t start, std::size_t size, std::
         right->cls = f->cls;
         right->stamp = f->stamp;
         right->arena = f->arena;
+        right->kind = f->kind;
         index_put(right);
       } catch (...) {
         if (right != nullptr) {

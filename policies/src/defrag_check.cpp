@@ -71,9 +71,10 @@ void DefragEngine::check_invariants() const {
         case State::dead:
           CACHEALLOC_CHECK_INVARIANT(false, "recycled node still linked" + where());
       }
+      CACHEALLOC_CHECK_INVARIANT(n->kind == a->kind, "node's kind differs from its arena's" + where());
       if (n->indexed) {
-        const IndexKey& k = n->key;
-        CACHEALLOC_CHECK_INVARIANT(k.node == n && k.size() == n->size && k.addr == n->addr,
+        const IndexKey k = n->indexed_key();
+        CACHEALLOC_CHECK_INVARIANT(k.size() == n->size && k.addr == n->addr,
                                    "index key out of date" + where());
         const auto entry = index_of(n).find(k);
         CACHEALLOC_CHECK_INVARIANT(entry != index_of(n).end() && entry->node == n,

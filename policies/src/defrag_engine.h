@@ -7,6 +7,7 @@
 #include <cachealloc/ordered_index.h>
 #include <cachealloc/policies/defrag.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -107,39 +108,55 @@ static_assert(sizeof(IndexKey) == 24);
 using Index = OrderedIndex<IndexKey>;
 
 /// One range of an arena (Note [Ranges tile the address space]).
-struct Node {
+/// Note [A node's first line]: inside a training step each call finds the caches cold and pays
+/// per line it touches (Note [Hot fields first], allocator.h). An allocation from a mapped hole
+/// and a free that merges read and write the fields of the first 64 bytes of their nodes and of
+/// the neighbours': address, size, links, the key it is indexed under, stamp, owner, state,
+/// kind and the flags. The age list's links, the arena and `deferred` change only when a hole
+/// gains or loses whole pages, at growths and at epochs: they sit on the second line. Nodes are
+/// line aligned, so a node's hot fields are one line (96 unaligned bytes spanned two or three).
+struct alignas(64) Node {
   std::uintptr_t addr = 0;
   std::size_t size = 0;
   Node* prev = nullptr;  // address neighbours in the arena
   Node* next = nullptr;
-  Node* age_prev = nullptr;  // the age list: mapped holes holding at least one whole page
-  Node* age_next = nullptr;
-  Arena* arena = nullptr;
-  IndexKey key{};  // while indexed: the key it is indexed under (its entry is found by it)
+  // While indexed: the key it is indexed under (its entry is found by it), as indexed_key().
+  std::uint64_t key_rank = 0;
+  std::uintptr_t key_addr = 0;
   std::uint64_t stamp = 0;  // epoch of the last free merged into it (0: never used)
   std::uint32_t cls = 0;    // owner stream's class (live: the allocating stream)
   State state = State::dead;
+  std::uint8_t kind = 0;    // arena->kind, here so that a key needs no read of the arena
   bool indexed = false;
   bool in_age = false;
+  // ---- the second line ----
+  Node* age_prev = nullptr;  // the age list: mapped holes holding at least one whole page
+  Node* age_next = nullptr;
+  Arena* arena = nullptr;
   bool deferred = false;  // listed in deferred_ (a stale entry of a recycled node may remain)
   [[nodiscard]] std::uintptr_t end() const noexcept { return addr + size; }
-  /// Back to a fresh node's values, field by field (`key` matters only while indexed).
+  [[nodiscard]] IndexKey indexed_key() const noexcept {
+    return IndexKey{key_rank, key_addr, const_cast<Node*>(this)};
+  }
+  /// Back to a fresh node's values, field by field (the key matters only while indexed).
   /// `*this = Node{}` zeroed a temporary with `rep stos` and copied it with loads that straddled
   /// its last stores: a store-forwarding stall, half of carve()'s time in perf.
   void reset() noexcept {
     addr = 0;
     size = 0;
     prev = next = nullptr;
-    age_prev = age_next = nullptr;
-    arena = nullptr;
     stamp = 0;
     cls = 0;
     state = State::dead;
+    kind = 0;
     indexed = false;
     in_age = false;
+    age_prev = age_next = nullptr;
+    arena = nullptr;
     deferred = false;
   }
 };
+static_assert(offsetof(Node, in_age) < 64 && offsetof(Node, age_prev) == 64);
 
 struct Arena {
   std::uintptr_t base = 0;
