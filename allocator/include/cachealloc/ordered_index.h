@@ -155,7 +155,7 @@ class OrderedIndex {
       return false;
     }
     if (leaf->count < kLeafCap) {
-      std::move_backward(leaf->keys + i, leaf->keys + leaf->count, leaf->keys + leaf->count + 1);
+      shift_up(leaf->keys + i, leaf->keys + leaf->count);
       put_key(leaf->keys[i], key);
       ++leaf->count;
       ++size_;
@@ -203,7 +203,7 @@ class OrderedIndex {
     const K key = *it;
     if (it.leaf_->count > 1) {  // the leaf stays: shift in place, no descent
       Leaf* leaf = it.leaf_;
-      std::move(leaf->keys + it.i_ + 1, leaf->keys + leaf->count, leaf->keys + it.i_);
+      shift_down(leaf->keys + it.i_, leaf->keys + leaf->count);
       --leaf->count;
       --size_;
       return it.i_ == leaf->count ? iterator(this, leaf->next, 0) : iterator(this, leaf, it.i_);
@@ -335,6 +335,32 @@ class OrderedIndex {
     }
   }
 
+  // Note [Shifting keys in a leaf]
+  // A leaf insert or erase moves the keys after the slot by one, a few on average. As
+  // std::move_backward / std::move they became calls of libc's memmove, whose code is cold in
+  // a training step like the rest (2,680 calls on the e2e pipeline recording: 3% of the cold
+  // calls' instruction-cache misses, callgrind, session 24). One key at a time, inline; the
+  // empty asm keeps the compiler from turning the loop back into a memmove call.
+  /// Moves [first, last) up by one slot (last is written).
+  static void shift_up(K* first, K* last) noexcept {
+    for (K* p = last; p != first;) {
+      --p;
+      p[1] = p[0];
+#if defined(__GNUC__)
+      asm("" : "+r"(p));
+#endif
+    }
+  }
+  /// Moves (gap, last) down by one slot onto gap.
+  static void shift_down(K* gap, K* last) noexcept {
+    for (K* p = gap; p + 1 != last; ++p) {
+      p[0] = p[1];
+#if defined(__GNUC__)
+      asm("" : "+r"(p));
+#endif
+    }
+  }
+
   struct Path {
     Inner* node[kMaxHeight];
     int child[kMaxHeight];
@@ -420,7 +446,7 @@ class OrderedIndex {
   }
 
   void erase_at(Path& path, Leaf* leaf, int i) noexcept {
-    std::move(leaf->keys + i + 1, leaf->keys + leaf->count, leaf->keys + i);
+    shift_down(leaf->keys + i, leaf->keys + leaf->count);
     --leaf->count;
     --size_;
     if (leaf->count == 0 && height_ > 0) {
