@@ -173,10 +173,10 @@ Arena* DefragEngine::new_arena(std::uint32_t kind, std::size_t at_least) {
 
 // ============================================================================ streams, epochs
 
-std::uint32_t DefragEngine::class_of(StreamId stream) {
-  if (have_last_ && stream == last_stream_) {
-    return last_cls_;
-  }
+#if defined(__GNUC__)
+__attribute__((noinline, cold))
+#endif
+std::uint32_t DefragEngine::find_class(StreamId stream) {
   std::uint32_t cls = 0;
   while (cls < streams_.size() && streams_[cls].id != stream) {
     ++cls;
@@ -402,11 +402,7 @@ void DefragEngine::age_remove(Node* n) noexcept {
   n->in_age = false;
 }
 
-void DefragEngine::age_update(Node* n) noexcept {
-  const bool wanted = n->state == State::mapped_free && whole_pages(n) > 0;
-  if (wanted == n->in_age) {
-    return;
-  }
+void DefragEngine::age_set(Node* n, bool wanted) noexcept {
   if (!wanted) {
     age_remove(n);
     return;
