@@ -489,7 +489,7 @@ Node* DefragEngine::merge_around(Node* n, std::uint32_t owner, bool for_owner) n
 // ============================================================================ allocate / free
 
 Block DefragEngine::allocate(std::size_t bytes, StreamId stream) {
-  if (bytes == 0 || bytes > (std::numeric_limits<std::size_t>::max() >> 2)) {
+  if (bytes == 0 || bytes > kMaxBlockBytes) {  // Note [One word ranks a hole]
     return {};
   }
   const std::size_t size = round_up(bytes, kAlignment);

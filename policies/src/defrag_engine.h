@@ -73,6 +73,10 @@ struct Arena;
 inline constexpr unsigned kSizeBits = 43;
 inline constexpr unsigned kClassBits = 20;
 inline constexpr std::uint32_t kMaxClasses = std::uint32_t{1} << kClassBits;
+/// The largest request the policy places (1 PiB, the most va_reserve_gb reserves): larger ones
+/// are refused as out of memory, so that no hole, and no range reserved for one, outgrows the
+/// rank's 43 bits of size (a larger size would spill into the bucket's bits).
+inline constexpr std::size_t kMaxBlockBytes = std::size_t{1} << 50;
 
 struct IndexKey {
   std::uint64_t rank;  // bucket << kSizeBits | size / kAlignment

@@ -118,7 +118,7 @@ TEST_CASE("ordered index: random inserts, erases and searches agree with std::se
   REQUIRE(index.begin() == index.end());
 }
 
-TEST_CASE("ordered index: sorted and reverse-sorted fills split correctly; depth stays logarithmic",
+TEST_CASE("ordered index: sorted and reverse-sorted fills split correctly, depth stays logarithmic",
           "[ordered_index]") {
   for (bool ascending : {true, false}) {
     OrderedIndex<Key> index;

@@ -214,7 +214,7 @@ TEST_CASE("async: a front-cache hit makes no pool call", "[async]") {
   }
 }
 
-TEST_CASE("async: async_cache_mb caps the cache; 0 sends every free to the pool", "[async]") {
+TEST_CASE("async: async_cache_mb caps the cache, 0 sends every free to the pool", "[async]") {
   auto [sim, a] = test::make_sim_allocator("async", {}, "async_cache_mb:0");
   SimStreamPool& pool = pool_of(*sim);
   void* p = a->allocate(4096, 0);

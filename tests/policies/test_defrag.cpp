@@ -290,8 +290,14 @@ class Workload {
   explicit Workload(const std::string& conf = "", std::uint64_t host_ns_per_call = 0,
                     std::uint64_t gpu_lag_ns = 0)
       : config_(Config::parse(conf)),
-        allocator_(std::make_unique<SimBackend>(SimOptions{0, 64 * kGiB, 2 * MiB, gpu_lag_ns != 0,
-                                                           host_ns_per_call != 0, gpu_lag_ns}),
+        // Designated: positional, the lag once initialized the call costs that SimOptions
+        // gained before event_lag_ns (session 23), and the test of the GPU lag ran with none.
+        allocator_(std::make_unique<SimBackend>(SimOptions{.device = 0,
+                                                           .capacity = 64 * kGiB,
+                                                           .granularity = 2 * MiB,
+                                                           .auto_complete_events = gpu_lag_ns != 0,
+                                                           .model_call_costs = host_ns_per_call != 0,
+                                                           .event_lag_ns = gpu_lag_ns}),
                    config_),
         host_ns_per_call_(host_ns_per_call) {
     sim_ = static_cast<SimBackend*>(&allocator_.backend());
@@ -1057,6 +1063,28 @@ TEST_CASE("defrag: destruction gives every page and address range back", "[defra
   CHECK(sim.live_events() == 0);
 }
 
+TEST_CASE("defrag: a request beyond 1 PiB is refused and leaves the policy intact", "[defrag][index]") {
+  // Note [One word ranks a hole]: the key holds a hole's size in 43 bits of 512-byte units. The
+  // front end refuses such requests before any policy sees them (kMaxRequestBytes); the policy
+  // refuses them too, for a caller that uses it directly. Before the bound, 2^52 + 4 KiB spilled
+  // into the bucket's bits and a range reserved for it outgrew its key.
+  SimBackend sim(SimOptions{0, kGiB, 2 * MiB, false});
+  DefragPolicy policy(sim, DefragSettings{});
+  const Block small = policy.allocate(3 * MiB, 0);
+  REQUIRE(small);
+  for (const std::size_t huge : {(std::size_t{1} << 50) + 512, (std::size_t{1} << 52) + 4096,
+                                 (std::size_t{1} << 62) - 512}) {
+    CHECK_FALSE(policy.allocate(huge, 0));
+    CHECK_FALSE(policy.allocate(huge, 1));
+    policy.check_invariants();
+  }
+  policy.deallocate(small, 0);
+  policy.check_invariants();
+  const Block again = policy.allocate(3 * MiB, 0);
+  CHECK(again.ptr == small.ptr);
+  policy.deallocate(again, 0);
+}
+
 // ============================================================================ regressions
 
 TEST_CASE("defrag regression: the part of a hole left of moved pages keeps its owner",
@@ -1397,7 +1425,7 @@ TEST_CASE("defrag: the slack rises when moving pages takes more than move_budget
   }
 }
 
-TEST_CASE("defrag: moves over the budget by waiting for the stream switch to moving pending; "
+TEST_CASE("defrag: moves over the budget by waiting for the stream switch to moving pending, "
           "moves alone raise the slack", "[defrag][patterns]") {
   // Note [Waits that switch to moving pending] (defrag_grow.cpp). The workload of the test above
   // on a fast host (2 us per call). With a GPU that finishes each stream's work as it is queued,

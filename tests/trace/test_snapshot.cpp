@@ -149,7 +149,7 @@ TEST_CASE("snapshot: resnet50_train_expandable maps segments and records its set
   CHECK(peak == 3225419776ULL);
 }
 
-TEST_CASE("snapshot: mlp_two_streams uses two streams; resnet50_train reads", "[trace][snapshot]") {
+TEST_CASE("snapshot: mlp_two_streams uses two streams, resnet50_train reads", "[trace][snapshot]") {
   const Snapshot s = read_snapshot(kTraceDir / "mlp_two_streams.pickle.xz");
   CHECK(s.events.size() == 9762);
   std::set<std::uint64_t> streams;
@@ -202,7 +202,7 @@ TEST_CASE("snapshot: a hand-built snapshot with several devices round-trips", "[
   CHECK_THROWS_WITH(write_snapshot_pickle(bad), Contains("negative device index -1"));
 }
 
-TEST_CASE("snapshot: unknown actions read as other; extra keys are ignored", "[trace][snapshot]") {
+TEST_CASE("snapshot: unknown actions read as other, extra keys are ignored", "[trace][snapshot]") {
   const Value v = Value::dict({
       {"device_traces", Value::list({Value::list({Value::dict({{"action", "future_action"},
                                                                {"addr", 1},
