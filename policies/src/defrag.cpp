@@ -323,8 +323,7 @@ void DefragEngine::recycle(Node* n) noexcept {
 }
 
 void DefragEngine::link_after(Node* pos, Node* n) noexcept {
-  n->arena = pos->arena;
-  n->kind = pos->kind;
+  n->same_range_as(*pos);
   n->prev = pos;
   n->next = pos->next;
   if (pos->next != nullptr) {
@@ -334,8 +333,7 @@ void DefragEngine::link_after(Node* pos, Node* n) noexcept {
 }
 
 void DefragEngine::link_before(Node* pos, Node* n) noexcept {
-  n->arena = pos->arena;
-  n->kind = pos->kind;
+  n->same_range_as(*pos);
   n->next = pos;
   n->prev = pos->prev;
   if (pos->prev != nullptr) {
@@ -689,8 +687,7 @@ Node* DefragEngine::carve(Node* f, std::uintptr_t start, std::size_t size, std::
         right->state = State::mapped_free;
         right->cls = f->cls;
         right->stamp = f->stamp;
-        right->arena = f->arena;
-        right->kind = f->kind;
+        right->same_range_as(*f);
         index_put(right);
       } catch (...) {
         if (right != nullptr) {

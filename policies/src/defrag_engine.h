@@ -92,7 +92,7 @@ struct IndexKey {
   }
   /// The first key of `bucket` for a hole of at least `size` bytes (any size: rounded up).
   static constexpr IndexKey at_least(std::uint64_t bucket, std::size_t size) noexcept {
-    return IndexKey{rank_of(bucket, (size + kAlignment - 1) / kAlignment * kAlignment), 0, nullptr};
+    return IndexKey{rank_of(bucket, round_up(size, kAlignment)), 0, nullptr};
   }
   [[nodiscard]] constexpr std::uint64_t bucket() const noexcept { return rank >> kSizeBits; }
   [[nodiscard]] constexpr std::size_t size() const noexcept {
@@ -139,6 +139,12 @@ struct alignas(64) Node {
   Arena* arena = nullptr;
   bool deferred = false;  // listed in deferred_ (a stale entry of a recycled node may remain)
   [[nodiscard]] std::uintptr_t end() const noexcept { return addr + size; }
+  /// Puts the node in `o`'s range: its arena, and the kind kept beside it (copied from `o`,
+  /// whose first line is hot, rather than read from the arena: Note [A node's first line]).
+  void same_range_as(const Node& o) noexcept {
+    arena = o.arena;
+    kind = o.kind;
+  }
   [[nodiscard]] IndexKey indexed_key() const noexcept {
     return IndexKey{key_rank, key_addr, const_cast<Node*>(this)};
   }

@@ -925,8 +925,7 @@ std::size_t DefragEngine::take_pages(Node* n, std::size_t want, std::size_t room
   try {
     if (hi < old_end) {
       right = new_node();
-      right->arena = n->arena;
-      right->kind = n->kind;
+      right->same_range_as(*n);
       right->addr = hi;
       right->size = old_end - hi;
       right->state = State::mapped_free;
@@ -936,8 +935,7 @@ std::size_t DefragEngine::take_pages(Node* n, std::size_t want, std::size_t room
     }
     if (cut > n->addr) {
       mid = new_node();
-      mid->arena = n->arena;
-      mid->kind = n->kind;
+      mid->same_range_as(*n);
       mid->addr = cut;
       mid->size = hi - cut;
       mid->state = State::unmapped_free;
