@@ -245,6 +245,7 @@ TEST_CASE("replay: --call-cost sets what a simulated device call costs, and reje
   }
   try {
     replay::apply_call_cost(c, "mapp=3");
+    FAIL("an unknown kind was accepted");
   } catch (const ConfigError& e) {
     const std::string what = e.what();
     CHECK(what.find("unknown kind 'mapp'") != std::string::npos);
@@ -254,7 +255,8 @@ TEST_CASE("replay: --call-cost sets what a simulated device call costs, and reje
   const auto kinds = replay::call_cost_kinds(c);
   REQUIRE(kinds.size() == 7);
   CHECK(kinds[4] == std::pair<std::string, double>{"map", 65.0});
-  // A replay charges them: the same trace, maps ten times dearer, spends more time moving.
+  // A replay charges them: the same trace, its stream-ordered pool calls ten times dearer
+  // (policy async), costs the simulated host more.
   const replay::PreparedTrace& t = prepared("gpt2_train_varlen.pickle.xz");
   replay::ReplayOptions opts;
   const replay::PolicyResult usual = replay::run(t, "async", "", opts);
