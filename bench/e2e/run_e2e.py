@@ -131,9 +131,14 @@ Steps (Note [Steps and warm-up]): defaults per workload, --steps/--warmup N over
   the inference workloads is one request or batch: seconds; compiled_gpt's warm-up compiles).
 
 --time-budget-s B: after the first round the harness prints the estimate for all --reps rounds;
-if it would end past B, the measured steps of the later rounds shrink (to at least --min-steps)
-so that every requested repetition still runs. Results (.md and .json) are rewritten after every
-run, so a run cut by an outer timeout keeps everything measured so far.
+if it would end past B, it runs only the rounds that fit (--fit reps, the default: every run keeps
+its measured steps, so the table compares like with like) or shrinks the measured steps of the
+later rounds (to at least --min-steps) so that every requested repetition still runs (--fit
+steps). Shrinking changes the job: a shorter run sees fewer batch shapes (its peak) and weighs
+its growth steps more (its time); session 25 lost its pipeline comparison to it (rounds of 12
+measured steps beside one of 60, bench/results/defrag_session25_2026-12-05.md). Results (.md and
+.json) are rewritten after every run, so a run cut by an outer timeout keeps everything measured
+so far.
 
 Results: <out-dir>/e2e_<date>[_tag].md (a Markdown table per workload, with the command, date,
 GPU, torch version) and the same data, run by run, in e2e_<date>[_tag].json next to it.
@@ -1184,7 +1189,8 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any], meta: dict[str, 
         f"- steps per run: {steps}" + (f"; shrunk for rounds ≥ 2 to fit the time budget: {meta['steps_shrunk']}"
                                         if meta.get("steps_shrunk") else ""),
         f"- {meta['rounds_done']} of {args.reps} interleaved repetition(s) of every configuration "
-        f"(A B C … A B C …), each run a fresh CUDA process; seed {args.seed}; {meta.get('elapsed_s', 0):.0f} s in all",
+        f"(A B C … A B C …), each run a fresh CUDA process; seed {args.seed}; {meta.get('elapsed_s', 0):.0f} s in all"
+        + (f"; only {meta['reps_cut']}" if meta.get("reps_cut") else ""),
         f"- peak device memory: device used memory (total − free) sampled every {args.sample_ms} ms by "
         f"{meta.get('sampler', '?')} in the run's process, minus the used memory after CUDA initialisation and "
         "before the workload's first allocation, over the whole run; median [min–max] over runs",
@@ -1426,8 +1432,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--sample-ms", type=float, default=1.0, help="memory sampling period in ms (default 1)")
     p.add_argument("--timeout-s", type=float, default=180.0, help="per-run timeout (default 180 s)")
     p.add_argument("--time-budget-s", type=float, default=0.0,
-                   help="fit all --reps rounds in this many seconds by shrinking the measured steps of rounds >= 2 "
-                        "(estimated from round 1, printed); 0: no limit")
+                   help="end within this many seconds (estimated from round 1, printed): run only the rounds that "
+                        "fit, or with --fit steps shrink the measured steps of rounds >= 2; 0: no limit")
+    p.add_argument("--fit", choices=("reps", "steps"), default="reps",
+                   help="what --time-budget-s gives up when all --reps rounds would not fit: reps (default: later "
+                        "rounds, every run keeps its steps) or steps (every round runs, later ones shorter)")
     p.add_argument("--no-fork", action="store_true", help="a new interpreter per run instead of the fork server")
     p.add_argument("--zygote-timeout-s", type=float, default=180.0,
                    help="how long the zygotes may take to import (default 180 s; then: subprocesses)")
@@ -1512,7 +1521,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         tmp = Path(tmpdir)
         runner = Runner(args, configs, tmp, meta)
         try:
+            rounds = args.reps
             for rep in range(args.reps):
+                if rep >= rounds:
+                    break
                 round_start = time.perf_counter()
                 round_results = []
                 for j, (wl, cfg) in enumerate((w, c) for w in workloads for c in configs):
@@ -1543,7 +1555,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                                         f"{args.reps} rounds estimated at {estimate:.0f} s"
                                         + (f" against --time-budget-s {args.time_budget_s:.0f}" if args.time_budget_s else ""))
                     print(f"run_e2e: {meta['estimate']}", flush=True)
-                    if args.time_budget_s > 0 and estimate > args.time_budget_s:
+                    if args.time_budget_s > 0 and estimate > args.time_budget_s and args.fit == "reps":
+                        rounds = 1 + min(args.reps - 1, int(max(args.time_budget_s - elapsed, 0.0) // max(round_s, 1e-9)))
+                        meta["reps_cut"] = f"{rounds} of {args.reps} rounds fit --time-budget-s {args.time_budget_s:.0f}"
+                        print(f"run_e2e: {meta['reps_cut']}; running {rounds}, every run with its full measured "
+                              "steps (--fit steps would shorten the later rounds instead)", flush=True)
+                    elif args.time_budget_s > 0 and estimate > args.time_budget_s:
                         new = shrink_steps(round_results, steps, args.reps - 1, args.time_budget_s - elapsed,
                                            args.min_steps)
                         if new is not None and new != steps:

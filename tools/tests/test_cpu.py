@@ -491,6 +491,32 @@ def test_e2e_runner_help_and_plan():
     assert "CACHEALLOC_CONF=policy:async,async_cache_mb:0,async_cache_max_block:64KB" in p.stdout, p.stdout
 
 
+def test_e2e_time_budget_keeps_steps_or_shortens_them(tmp_path):
+    """--time-budget-s smaller than one round: by default (--fit reps) only the first round runs
+    and every run keeps its measured steps; --fit steps runs every round, the later ones shorter.
+    Both say so on stdout and in the report (a smoke run of the harness on the CPU)."""
+    runner = REPO / "bench" / "e2e" / "run_e2e.py"
+    if not runner.is_file():
+        skip("bench/e2e/run_e2e.py is not in this checkout")
+    if not torch_importable():
+        skip("torch is not importable here")
+    common = [sys.executable, str(runner), "--device", "cpu", "--scale", "tiny", "--workloads", "pipeline",
+              "--configs", "native", "--reps", "3", "--time-budget-s", "0.001", "--out-dir", str(tmp_path)]
+    r = subprocess.run([*common, "--tag", "reps"], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "1 of 3 rounds fit --time-budget-s" in r.stdout, r.stdout
+    data = json.loads(next(tmp_path.glob("e2e_*_reps.json")).read_text())
+    assert [run["steps"] for run in data["runs"]] == [60], data["runs"]
+    md = next(tmp_path.glob("e2e_*_reps.md")).read_text()
+    assert "- 1 of 3 interleaved repetition(s)" in md and "only 1 of 3 rounds fit" in md, md
+    r = subprocess.run([*common, "--tag", "steps", "--fit", "steps"], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads(next(tmp_path.glob("e2e_*_steps.json")).read_text())
+    assert [run["steps"] for run in data["runs"]] == [60, 5, 5], data["runs"]
+    md = next(tmp_path.glob("e2e_*_steps.md")).read_text()
+    assert "shrunk for rounds ≥ 2 to fit the time budget: pipeline 5" in md, md
+
+
 def _e2e_report(tmp_path, runs, steps):
     """Writes a run_e2e results .json of `runs` (pipeline, cachealloc:defrag; `steps`: [warm-up,
     measured]), regenerates its Markdown with --report-from and returns it."""
