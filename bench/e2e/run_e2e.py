@@ -1010,9 +1010,11 @@ def _defrag_run(r: dict[str, Any]) -> Optional[dict[str, Any]]:
     if not c or "defrag.pending_switches" not in c or r.get("peak_bytes") is None:
         return None
     move = c.get("defrag.move_ns", 0)
+    waits = c.get("defrag.stream_waits")
     return {"peak": r["peak_bytes"], "raises": c.get("defrag.slack_raises", 0),
             "on_time": c.get("defrag.budget_raises", 0), "switched": bool(c["defrag.pending_switches"]),
             "wait_share": c.get("defrag.wait_ns", 0) / move if move else None,
+            "waits": waits, "wait_ms": c.get("defrag.wait_ns", 0) / waits / 1e6 if waits else None,
             "above": c.get("defrag.placed_above_queued"), "top": c.get("defrag.placed_at_top")}
 
 
@@ -1330,11 +1332,13 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any], meta: dict[str, 
                     f"{d['peak'] / MiB:,.0f} MiB / {d['raises']} ({d['on_time']} on time) / "
                     + ("switched" if d["switched"] else "no")
                     + (f" / {100 * d['wait_share']:.0f}%" if d["wait_share"] is not None else "")
+                    + (f" / {d['waits']} waits of {d['wait_ms']:.2f} ms" if d.get("wait_ms") is not None else "")
                     + (f" / placed {d['above']} above queued unmaps, {d['top']} at the top"
                        if d.get("above") or d.get("top") else "")
                     for d in ds)
                 lines.append(f"- {cfg}, each run's whole life (peak / slack raises / switched to moving "
-                             f"pending / waits' share of the growths that moved or waited): {per_run}; "
+                             f"pending / waits' share of the growths that moved or waited / stream waits and "
+                             f"their mean length, where it waited): {per_run}; "
                              f"switched in {sum(d['switched'] for d in ds)} of {len(ds)}")
         if heavy:
             # What the heaviest step of each run did (cachealloc: device calls, defrag's waits).

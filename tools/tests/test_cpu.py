@@ -605,8 +605,8 @@ def test_e2e_report_splits_long_runs_in_thirds(tmp_path):
 
 def test_e2e_report_says_how_each_defrag_run_ended(tmp_path):
     """--report-from: for policy defrag, each run's peak, slack raises (on time), whether it
-    switched to moving pending and the waits' share of its charged growth time, from the whole
-    run's counters, its growths placed above queued unmaps or at the top of a hole where there
+    switched to moving pending, the waits' share of its charged growth time and the waits' count
+    and mean length (where the counters have them), from the whole run's counters, its growths placed above queued unmaps or at the top of a hole where there
     were any, and how many runs switched; runs without those counters get no such line."""
     runner = REPO / "bench" / "e2e" / "run_e2e.py"
     if not runner.is_file():
@@ -618,14 +618,15 @@ def test_e2e_report_says_how_each_defrag_run_ended(tmp_path):
     switched = dict(base, defrag_counters_run={
         "defrag.slack_raises": 1, "defrag.budget_raises": 0, "defrag.pending_switches": 1,
         "defrag.wait_ns": 5_400_000, "defrag.move_ns": 10_000_000, "defrag.placed_above_queued": 3,
-        "defrag.placed_at_top": 1})
+        "defrag.placed_at_top": 1, "defrag.stream_waits": 4})
     stayed = dict(base, rep=1, peak_bytes=3678 << 20, defrag_counters_run={
         "defrag.slack_raises": 2, "defrag.budget_raises": 1, "defrag.pending_switches": 0,
         "defrag.wait_ns": 4_200_000, "defrag.move_ns": 10_000_000})
     older = dict(base, rep=2)  # an older results file: no whole-run counters
     md = _e2e_report(tmp_path, [switched, stayed, older], [1, 4])
     assert ("- cachealloc:defrag, each run's whole life (peak / slack raises / switched to moving pending / "
-            "waits' share of the growths that moved or waited): 3,634 MiB / 1 (0 on time) / switched / 54% / "
+            "waits' share of the growths that moved or waited / stream waits and their mean length, where it "
+            "waited): 3,634 MiB / 1 (0 on time) / switched / 54% / 4 waits of 1.35 ms / "
             "placed 3 above queued unmaps, 1 at the top, "
             "3,678 MiB / 2 (1 on time) / no / 42%; switched in 1 of 2") in md, md
     md = _e2e_report(tmp_path, [older], [1, 4])
