@@ -33,6 +33,13 @@ from _support import (  # noqa: E402
 )
 
 
+def _need_e2e_runner() -> Path:
+    runner = REPO / "bench" / "e2e" / "run_e2e.py"
+    if not runner.is_file():
+        skip("bench/e2e/run_e2e.py is not in this checkout")
+    return runner
+
+
 def _need_plugin() -> str:
     lib = plugin_library()
     if lib is None:
@@ -469,9 +476,7 @@ def test_devset_compares_defrag_variants_against_expandable(tmp_path):
 
 
 def test_e2e_runner_help_and_plan():
-    runner = REPO / "bench" / "e2e" / "run_e2e.py"
-    if not runner.is_file():
-        skip("bench/e2e/run_e2e.py is not in this checkout")
+    runner = _need_e2e_runner()
     h = subprocess.run([sys.executable, str(runner), "--help"], capture_output=True, text=True, timeout=120)
     assert h.returncode == 0, h.stderr
     assert "--steps" in h.stdout and "--reps" in h.stdout and "--configs" in h.stdout
@@ -495,9 +500,7 @@ def test_e2e_time_budget_keeps_steps_or_shortens_them(tmp_path):
     """--time-budget-s smaller than one round: by default (--fit reps) only the first round runs
     and every run keeps its measured steps; --fit steps runs every round, the later ones shorter.
     Both say so on stdout and in the report (a smoke run of the harness on the CPU)."""
-    runner = REPO / "bench" / "e2e" / "run_e2e.py"
-    if not runner.is_file():
-        skip("bench/e2e/run_e2e.py is not in this checkout")
+    runner = _need_e2e_runner()
     if not torch_importable():
         skip("torch is not importable here")
     common = [sys.executable, str(runner), "--device", "cpu", "--scale", "tiny", "--workloads", "pipeline",
@@ -520,7 +523,7 @@ def test_e2e_time_budget_keeps_steps_or_shortens_them(tmp_path):
 def _e2e_report(tmp_path, runs, steps):
     """Writes a run_e2e results .json of `runs` (pipeline, cachealloc:defrag; `steps`: [warm-up,
     measured]), regenerates its Markdown with --report-from and returns it."""
-    runner = REPO / "bench" / "e2e" / "run_e2e.py"
+    runner = _need_e2e_runner()
     meta = {"date": "2026-12-03T00:00:00", "host": "test", "command": "run_e2e.py", "driver": "-", "rounds_done": 1,
             "steps": {"pipeline": steps}, "fork": {}, "gpu": "-", "torch": "-", "cuda": "-", "sampler": "nvml",
             "elapsed_s": 1.0, "cachealloc_library": "-", "estimate": "-"}
@@ -540,9 +543,7 @@ def test_e2e_report_shows_how_allocator_time_spreads_over_steps(tmp_path):
     """--report-from: the median step's allocator time, the heaviest step's share and what that
     step did (device calls, defrag's waits), and what the steps without a device call cost,
     computed from the runs' per-step figures."""
-    runner = REPO / "bench" / "e2e" / "run_e2e.py"
-    if not runner.is_file():
-        skip("bench/e2e/run_e2e.py is not in this checkout")
+    runner = _need_e2e_runner()
     run = {"workload": "pipeline", "config": "cachealloc:defrag", "rep": 0, "steps": 4, "warmup": 1, "ok": True,
            "median_step_s": 0.01, "peak_bytes": 3 << 30, "allocator_reserved_peak": 2 << 30,
            "allocator_ns_per_step": 400_000.0, "allocator_pct_of_step": 4.0, "device_calls_per_step": 1.0,
@@ -570,9 +571,7 @@ def test_e2e_report_splits_long_runs_in_thirds(tmp_path):
     """--report-from: a run of 30 measured steps or more gets the allocator's share of each third
     of its steps (and the device calls in it), so a policy that is still adapting in its first
     steps reads apart from one that settled; a file that is no results file is refused clearly."""
-    runner = REPO / "bench" / "e2e" / "run_e2e.py"
-    if not runner.is_file():
-        skip("bench/e2e/run_e2e.py is not in this checkout")
+    runner = _need_e2e_runner()
     # 30 steps of 10 ms: the first ten spend 500 us each in the allocator with 2 device calls,
     # the next ten 200 us, the last ten 100 us without a call.
     ns = [500_000] * 10 + [200_000] * 10 + [100_000] * 10
@@ -608,9 +607,7 @@ def test_e2e_report_says_how_each_defrag_run_ended(tmp_path):
     switched to moving pending, the waits' share of its charged growth time and the waits' count
     and mean length (where the counters have them), from the whole run's counters, its growths placed above queued unmaps or at the top of a hole where there
     were any, and how many runs switched; runs without those counters get no such line."""
-    runner = REPO / "bench" / "e2e" / "run_e2e.py"
-    if not runner.is_file():
-        skip("bench/e2e/run_e2e.py is not in this checkout")
+    runner = _need_e2e_runner()
     base = {"workload": "pipeline", "config": "cachealloc:defrag", "rep": 0, "steps": 4, "warmup": 1, "ok": True,
             "median_step_s": 0.01, "peak_bytes": 3634 << 20, "allocator_ns_per_step": 100_000.0,
             "allocator_pct_of_step": 1.0, "device_calls_per_step": 1.0, "allocs_per_step": 50.0,
