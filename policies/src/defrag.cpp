@@ -98,7 +98,7 @@ DefragEngine::DefragEngine(DeviceBackend& backend, const DefragSettings& setting
                     : 0;
   slack_ = settings_.grow_slack;
   counters_.slack = slack_;
-  new_arena(kLarge, page_);
+  new_arena(kLarge, page_, 0);
 }
 
 DefragEngine::~DefragEngine() {
@@ -138,12 +138,13 @@ DefragEngine::~DefragEngine() {
   }
 }
 
-Arena* DefragEngine::new_arena(std::uint32_t kind, std::size_t at_least) {
+Arena* DefragEngine::new_arena(std::uint32_t kind, std::size_t at_least, std::uint32_t home) {
   const std::size_t bytes = std::max(va_reserve_, page_up(at_least + page_));
   auto owned = std::make_unique<Arena>();
   Arena* arena = owned.get();
   arena->size = bytes;
   arena->kind = kind;
+  arena->home = home;
   const std::uintptr_t base = vm_.reserve_address(bytes);  // throws DeviceError: nothing to undo
   arena->base = base;
   Node* n = nullptr;
@@ -357,7 +358,7 @@ void DefragEngine::unlink(Node* n) noexcept {
 
 IndexKey DefragEngine::key_of(const Node* n) const noexcept {
   const std::uint64_t bucket = n->state == State::unmapped_free
-                                   ? IndexKey::unmapped_bucket(n->kind)
+                                   ? IndexKey::unmapped_bucket(n->kind, n->arena->home)
                                    : IndexKey::mapped_bucket(n->kind, n->cls);
   return IndexKey{IndexKey::rank_of(bucket, n->size), n->addr, const_cast<Node*>(n)};
 }
@@ -734,7 +735,7 @@ void DefragEngine::make_live(Node* n) noexcept {
 std::vector<std::string_view> DefragPolicy::config_keys() {
   return {"va_reserve_gb", "grow_slack", "max_grow_slack", "move_budget", "small_size",
           "wait_for_streams", "move_pending", "pending_on_waits", "avoid_queued_unmaps",
-          "max_chunk_mb", "keep_small_mb"};
+          "max_chunk_mb", "keep_small_mb", "stream_ranges"};
 }
 
 DefragSettings DefragPolicy::parse_settings(Config& config) {
@@ -776,6 +777,9 @@ DefragSettings DefragPolicy::parse_settings(Config& config) {
   }
   if (auto mb = config.take_double("keep_small_mb", 0.0, 1 << 20)) {
     s.keep_small_bytes = static_cast<std::size_t>(*mb * static_cast<double>(kMiB));
+  }
+  if (auto own = config.take_bool("stream_ranges")) {
+    s.stream_ranges = *own;
   }
   return s;
 }

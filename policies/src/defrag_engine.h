@@ -41,6 +41,9 @@ inline constexpr std::uint64_t kBudgetMaxWindowNs = 1'000'000'000;
 /// Note [Waits that switch to moving pending] (defrag_grow.cpp): a window over the budget in
 /// which waiting for streams took more than this many tenths of the charged time switches.
 inline constexpr std::uint64_t kPendingWaitTenths = 3;
+/// Streams with large-block address ranges of their own; later streams share the last one's
+/// (Note [Address ranges of their own for streams], defrag_grow.cpp).
+inline constexpr std::uint32_t kStreamRanges = 8;
 /// A growth creates about this many chunks (Note [Chunks], defrag_grow.cpp)...
 inline constexpr std::size_t kChunksPerGrowth = 16;
 /// Note [Quiet time pays for a burst] (defrag_grow.cpp): quiet time banked at most, in ns.
@@ -85,7 +88,11 @@ struct IndexKey {
   static constexpr std::uint64_t mapped_bucket(std::uint32_t kind, std::uint32_t cls) noexcept {
     return std::uint64_t{kind} << kClassBits | cls;
   }
-  static constexpr std::uint64_t unmapped_bucket(std::uint32_t kind) noexcept { return kind; }
+  /// Unmapped holes: the kind, and the stream class whose range it is (Note [Address ranges of
+  /// their own for streams], defrag_grow.cpp; 0 for all without stream_ranges).
+  static constexpr std::uint64_t unmapped_bucket(std::uint32_t kind, std::uint32_t home) noexcept {
+    return std::uint64_t{home} << 1 | kind;
+  }
   /// The rank of a hole of `size` bytes (a multiple of kAlignment) in `bucket`.
   static constexpr std::uint64_t rank_of(std::uint64_t bucket, std::size_t size) noexcept {
     return bucket << kSizeBits | size / kAlignment;
@@ -172,6 +179,9 @@ struct Arena {
   std::uintptr_t base = 0;
   std::size_t size = 0;
   std::uint32_t kind = 0;
+  /// The stream class whose growths are placed here (Note [Address ranges of their own for
+  /// streams], defrag_grow.cpp); 0 for every range without stream_ranges, and for small ones.
+  std::uint32_t home = 0;
   Node* head = nullptr;
   // The handle mapped at each page (a chunk's handle at each of its pages); grows to the highest
   // page ever mapped.
@@ -359,7 +369,12 @@ class alignas(64) DefragEngine {
     std::uintptr_t above = 0;
   };
   Placement place_unmapped(std::uint32_t kind, std::uint32_t cls, std::size_t size) const;
-  Arena* new_arena(std::uint32_t kind, std::size_t at_least);
+  Arena* new_arena(std::uint32_t kind, std::size_t at_least, std::uint32_t home);
+  /// The ranges where a block of `kind` for stream class `cls` is placed when it needs pages
+  /// mapped (Note [Address ranges of their own for streams], defrag_grow.cpp).
+  [[nodiscard]] std::uint32_t home_of(std::uint32_t kind, std::uint32_t cls) const noexcept {
+    return settings_.stream_ranges && kind == kLarge ? std::min(cls, kStreamRanges - 1) : 0;
+  }
   /// Counts a growth that creates `pages` beyond the slack and why the free pages held did not
   /// move (Note [Why pages were created beyond the slack]).
   void note_beyond_slack(std::size_t pages, const Node* hole) noexcept;

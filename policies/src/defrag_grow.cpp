@@ -97,6 +97,35 @@
 // earlier: the step memo served 94,538 of its 107,730 calls instead of 92,114), every other
 // recording and shared trace unchanged.
 //
+// Note [Address ranges of their own for streams]
+// PyTorch's expandable segments keep an address range per stream. defrag kept one per kind, so a
+// side stream's block that needed pages mapped landed among the main stream's blocks. In the
+// two-stream pipeline of bench/e2e the side stream makes the next batch (five blocks of batch x
+// 16 KiB, 8-64 MiB) and hands two of them to the main stream with record_stream: they live for
+// a step, and their holes, the side stream's and pending for the main stream's work, keep the
+// main stream's holes on either side from merging. Replayed without moves (grow_slack:1, the
+// 304-step recording, peak reserved / peak requested) defrag held 1.371x its live peak,
+// expandable segments 1.238.
+// So with stream_ranges (the default) the first kStreamRanges stream classes each place the large
+// blocks that need pages mapped in ranges of their own (later classes share the last one's): the
+// unmapped holes are indexed by kind and that class (IndexKey::unmapped_bucket), and a new range
+// is reserved for a class that has none with room. Nothing else changes: a stream still takes
+// the best fit among its own mapped holes wherever they are, another stream's safe hole when the
+// slack is short (find_other), and pages move between the ranges like any others (steal() walks
+// the age list of every range). Small blocks share one range: they pack many to a page.
+// Replayed (session 26, bench/results/defrag_session26_2026-12-05.md): the pipeline without moves
+// 1.371 -> 1.271, and with the default settings at a slack limit of 0.2 (Note [A time budget for
+// moves]) 1.200-1.201 at GPU lags of 0-100 ms against 1.201-1.231 with one range, with fewer
+// device calls at every lag (1,139-1,894 maps + unmaps in all against 1,584-2,504). Over the
+// development set (23 recordings x 5 lags) every other recording replays as before (its peak);
+// the one cost is mlp_two_streams of ../shared/traces at 5 and 10 ms, 1.013 -> 1.031: its side
+// stream's range grows three times at the main stream's peak while every hole of the main
+// stream is pending (its work runs 5 ms behind), and creates the 28 pages it lacks beyond the
+// slack (8 growths beyond the slack, 60 pages, against 6 and 36 with one range; expandable
+// segments: 1.069 there). The main stream's blocks alone still replay above
+// expandable segments without moves (1.188 against 1.151): ranges remove the interleaving, not
+// best fit's own fragmentation.
+//
 // Note [Placing away from queued unmaps]
 // Pages that moved from a hole its stream's work may still use are unmapped only when that work
 // is done (move_pending, Note [Moving pages a stream still uses]); on cuda_vmm every unmap runs
@@ -196,7 +225,7 @@ DefragEngine::Placement DefragEngine::place_unmapped(std::uint32_t kind, std::ui
   Placement queued;  // the first fit whose pages would wait for a queued unmap
   Placement above;   // the first such fit with room for the block above its queued unmaps
   int skipped = 0;
-  const std::uint64_t bucket = IndexKey::unmapped_bucket(kind);
+  const std::uint64_t bucket = IndexKey::unmapped_bucket(kind, home_of(kind, cls));
   auto it = unmapped_.lower_bound(IndexKey::at_least(bucket, lowest));
   for (int tried = 0; it != unmapped_.end() && it->bucket() == bucket; ++it, ++tried) {
     if (tried == kUnmappedCandidates && it->size() < size) {
@@ -240,7 +269,7 @@ DefragEngine::Placement DefragEngine::place_unmapped(std::uint32_t kind, std::ui
 Node* DefragEngine::grow(std::uint32_t kind, std::uint32_t cls, std::size_t size) {
   Placement where = place_unmapped(kind, cls, size);
   if (where.hole == nullptr) {
-    new_arena(kind, size);  // its one unmapped hole holds the block
+    new_arena(kind, size, home_of(kind, cls));  // its one unmapped hole holds the block
     where = place_unmapped(kind, cls, size);
     if (where.hole == nullptr) {
       throw InvariantError("policy defrag: a new address range does not hold the block");
@@ -666,14 +695,18 @@ void DefragEngine::raise_slack_to(double slack) noexcept {
 // growths and kBudgetMinWindowNs, or after kBudgetMaxWindowNs; if the moves took more than
 // move_budget of it, the slack doubles (as above, up to max_grow_slack). A job that settles
 // stops moving and never pays. One whose layout keeps changing trades memory for time, up to
-// max_grow_slack; that limit is 0.25 because the pipeline above, replayed from its recording
-// (batch 512-4096 at random), stops moving only at a slack of 0.16-0.25, and expandable
-// segments held about 1.24x its live peak on the H200.
-// Over 304 steps (bench/e2e/recordings/e2e_pipeline_long.pickle.xz, session 21) that job
-// still moves pages at 0.20 and ends at 0.25 holding 1.250-1.266x, above expandable's 1.238;
-// on the H200 over 64 steps it was above expandable in 9 of 11 runs: with moves at ~60 us of
-// the allocating thread each, this budget cannot buy that job a lower peak
-// (bench/results/defrag_session21_2026-12-04.md). The budget is 0.02: replayed (peak
+// max_grow_slack. That limit was 0.25 until session 26, because the pipeline above, replayed
+// from its recording (batch 512-4096 at random), stops moving only at a slack of 0.16-0.25, and
+// expandable segments held about 1.24x its live peak on the H200. But over 304 steps
+// (bench/e2e/recordings/e2e_pipeline_long.pickle.xz, session 21) that job still moved pages at
+// 0.20 and ended at 0.25 holding 1.250-1.266x, above expandable's 1.238, and on the H200 its
+// runs that filled the limit peaked above expandable segments (sessions 21-25: in 2 of 11, 3 of
+// 10, 7 of 12 runs below; bench/results/defrag_session25_2026-12-05.md). A limit only buys time
+// below expandable segments' memory when it is below what they hold, so it is 0.2: with Note
+// [Address ranges of their own for streams] the long recording then holds 1.200-1.201x at GPU
+// lags of 0-100 ms (0.25: 1.244-1.278 without those ranges, 1.231-1.257 with them), for device
+// calls in its steps 9-64 (bench/e2e's measured steps) of 104-484 against 113-680 before
+// (bench/results/defrag_session26_2026-12-05.md). The budget is 0.02: replayed (peak
 // reserved / peak requested), the two-stream MLP of the shared traces, whose moves cost 1-2% of
 // its time, ends at 1.020 with a budget of 0.01 and 1.010 with 0.02 (a rising slack changes its
 // layout without stopping its moves), and the GPT-2 trace at 1.020 with 0.005, 1.010 with 0.01.

@@ -18,6 +18,7 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <set>
 #include <string>
 #include <tuple>
 #include <unordered_map>
@@ -430,7 +431,7 @@ TEST_CASE("defrag: settings come from CACHEALLOC_CONF and are validated", "[defr
   CHECK(d.max_chunk_bytes == kGiB);
   CHECK(settings_from("max_chunk_mb:2").max_chunk_bytes == 2 * MiB);
   CHECK_THROWS_AS(settings_from("max_chunk_mb:0"), ConfigError);
-  CHECK(d.max_grow_slack == 0.25);
+  CHECK(d.max_grow_slack == 0.2);
   CHECK(settings_from("grow_slack:0.3").max_grow_slack == 0.3);  // never below grow_slack
   CHECK(settings_from("max_grow_slack:0.01").max_grow_slack == 0.01);
   CHECK(d.move_budget == 0.02);
@@ -449,8 +450,11 @@ TEST_CASE("defrag: settings come from CACHEALLOC_CONF and are validated", "[defr
   CHECK(d.avoid_queued_unmaps);
   CHECK_FALSE(settings_from("avoid_queued_unmaps:False").avoid_queued_unmaps);
   CHECK_THROWS_AS(settings_from("avoid_queued_unmaps:2"), ConfigError);
+  CHECK(d.stream_ranges);
+  CHECK_FALSE(settings_from("stream_ranges:False").stream_ranges);
+  CHECK_THROWS_AS(settings_from("stream_ranges:own"), ConfigError);
   const auto keys = DefragPolicy::config_keys();
-  CHECK(keys.size() == 11);
+  CHECK(keys.size() == 12);
 }
 
 TEST_CASE("defrag: keep_small_mb keeps freed small blocks for their stream and size",
@@ -846,9 +850,74 @@ TEST_CASE("defrag: pages a busy stream may still use are never unmapped or hande
   f.use_and_free(c, s2);
 }
 
+TEST_CASE("defrag: each stream places its growths in address ranges of its own",
+          "[defrag][streams]") {
+  // Note [Address ranges of their own for streams]: a side stream's block does not land between
+  // the main stream's blocks, so the main stream's holes stay whole; pages still move between
+  // the ranges.
+  const bool own = GENERATE(true, false);
+  INFO((own ? "stream_ranges:True" : "stream_ranges:False"));
+  OracleFixture f(own ? "grow_slack:0" : "grow_slack:0,stream_ranges:False");
+  const StreamId main = 1;
+  const StreamId side = 2;
+  Block a = f.alloc(40 * MiB, main);
+  Block x = f.alloc(30 * MiB, side);
+  Block b = f.alloc(40 * MiB, main);
+  const auto inside = [](const Block& blk, std::uintptr_t lo, std::uintptr_t hi) {
+    return addr_of(blk) >= lo && addr_of(blk) + blk.size <= hi;
+  };
+  if (own) {
+    CHECK(addr_of(b) == addr_of(a) + a.size);
+    CHECK_FALSE(inside(x, addr_of(a), addr_of(b) + b.size));
+  } else {
+    CHECK(addr_of(x) == addr_of(a) + a.size);  // one range: x between a and b
+    CHECK(addr_of(b) == addr_of(x) + x.size);
+  }
+  CHECK(f.policy.reserved_bytes() == 110 * MiB);
+  // x's pages serve the main stream once the side stream is done with them: a block too large
+  // for x's hole moves its pages (grow_slack 0: no new memory below the peak).
+  f.use_and_free(x, side);
+  Block tiny = f.alloc(64 * kKiB, side);  // a miss: the epoch of x's free closes
+  f.backend.complete(side);
+  const std::uint64_t moved = f.policy.counters().pages_moved;
+  Block c = f.alloc(34 * MiB, main);  // a new peak of 114 MiB: 2 pages new, the rest x's
+  REQUIRE(c);
+  CHECK(f.policy.counters().pages_moved - moved >= 14);  // whole chunks of x's 15 pages
+  CHECK(f.policy.reserved_bytes() == 114 * MiB + 2 * MiB);  // with tiny's small-range page
+  if (own) {
+    CHECK(addr_of(c) == addr_of(b) + b.size);  // in the main stream's range, after b
+  }
+  f.use_and_free(tiny, side);
+  f.use_and_free(a, main);
+  f.use_and_free(b, main);
+  f.use_and_free(c, main);
+}
+
+TEST_CASE("defrag: streams after the eighth share the eighth's address ranges", "[defrag][streams]") {
+  OracleFixture f("grow_slack:1");  // new pages for every growth: nothing moves
+  std::vector<std::pair<Block, StreamId>> blocks;
+  for (StreamId s = 1; s <= cachealloc::detail::kStreamRanges + 1; ++s) {  // classes 0 to 8
+    blocks.emplace_back(f.alloc(4 * MiB, s), s);
+  }
+  // Classes 0-7 each start a range of their own (8 GiB of addresses apart here); class 8's
+  // block follows class 7's in the last one.
+  for (std::size_t i = 1; i < cachealloc::detail::kStreamRanges; ++i) {
+    const std::uintptr_t lo = std::min(addr_of(blocks[i].first), addr_of(blocks[i - 1].first));
+    const std::uintptr_t hi = std::max(addr_of(blocks[i].first), addr_of(blocks[i - 1].first));
+    CHECK(hi - lo >= kGiB);
+  }
+  const Block& seventh = blocks[cachealloc::detail::kStreamRanges - 1].first;
+  CHECK(addr_of(blocks.back().first) == addr_of(seventh) + seventh.size);
+  for (auto& [blk, s] : blocks) {
+    f.use_and_free(blk, s);
+  }
+}
+
 TEST_CASE("defrag: a stream reuses its own holes at once and waits only for itself",
           "[defrag][streams]") {
-  OracleFixture f;
+  // One address range for all streams, so that stream 4's block lies right after the hole and
+  // the bigger block cannot simply extend it (with stream_ranges it would, moving nothing).
+  OracleFixture f("grow_slack:0,stream_ranges:False");
   const StreamId s = 3;
   Block a = f.alloc(30 * MiB, s);
   f.use_and_free(a, s);
@@ -1090,8 +1159,10 @@ TEST_CASE("defrag: a request beyond 1 PiB is refused and leaves the policy intac
 TEST_CASE("defrag regression: the part of a hole left of moved pages keeps its owner",
           "[defrag][regression]") {
   // take_pages() once gave the right remainder of a hole the owner and stamp of the unmapped
-  // part (stream class 0, epoch 0), which put it next to a hole of class 0 unmerged.
-  OracleFixture f;
+  // part (stream class 0, epoch 0), which put it next to a hole of class 0 unmerged. The streams
+  // share one range here (stream_ranges:False), so that their blocks lie side by side, as they
+  // still do in small ranges, beyond the eighth stream and where one stream took another's hole.
+  OracleFixture f("grow_slack:0,stream_ranges:False");
   f.use_and_free(f.alloc(1000, 9), 9);  // stream 9 becomes class 0 (small range)
   Block x = f.alloc(5 * MiB, 7);        // stream 7 is class 1: x at the start of the range
   Block y = f.alloc(1536 * kKiB, 9);    // right after x, sharing x's last page
@@ -1107,7 +1178,8 @@ TEST_CASE("defrag regression: the part of a hole left of moved pages keeps its o
 TEST_CASE("defrag regression: holes kept apart by two busy streams merge once both finished",
           "[defrag][regression]") {
   // process_deferred() once dropped the pairs that were not mergeable yet, so they never merged.
-  OracleFixture f("grow_slack:1");  // all growth from new pages: no hole moves
+  // All growth from new pages (no hole moves); the streams share one range (as in the test above).
+  OracleFixture f("grow_slack:1,stream_ranges:False");
   Block x = f.alloc(5 * MiB, 7);
   Block y = f.alloc(3 * MiB, 9);
   REQUIRE(addr_of(y) == addr_of(x) + x.size);
@@ -1677,7 +1749,17 @@ TEST_CASE("defrag: the packed index key orders as (bucket, size, address)", "[de
   CHECK_FALSE(hole < IndexKey::at_least(bucket, 2 * kAlignment));
   CHECK_FALSE(hole < IndexKey::at_least(bucket, kAlignment + 1));
   CHECK(hole < IndexKey::at_least(bucket, 2 * kAlignment + 1));
-  // Unmapped buckets (the kind alone) sort apart from each other.
-  CHECK(IndexKey::at_least(IndexKey::unmapped_bucket(0), top_size * kAlignment) <
-        IndexKey::at_least(IndexKey::unmapped_bucket(1), 0));
+  // Unmapped buckets (the kind and the stream class whose range it is) sort apart from each
+  // other, and differ for every kind and class.
+  CHECK(IndexKey::at_least(IndexKey::unmapped_bucket(0, 0), top_size * kAlignment) <
+        IndexKey::at_least(IndexKey::unmapped_bucket(1, 0), 0));
+  CHECK(IndexKey::at_least(IndexKey::unmapped_bucket(1, 0), top_size * kAlignment) <
+        IndexKey::at_least(IndexKey::unmapped_bucket(0, 1), 0));
+  std::set<std::uint64_t> buckets;
+  for (std::uint32_t home = 0; home < detail::kStreamRanges; ++home) {
+    for (std::uint32_t kind = 0; kind < 2; ++kind) {
+      buckets.insert(IndexKey::unmapped_bucket(kind, home));
+    }
+  }
+  CHECK(buckets.size() == 2 * detail::kStreamRanges);
 }

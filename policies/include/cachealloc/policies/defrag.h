@@ -11,8 +11,10 @@
 //
 // Placement (all searches O(log n) in size-ordered sets):
 //   1. best fit among the stream's own free *mapped* holes: no device call at all;
-//   2. otherwise best fit among free *unmapped* holes (each with its usable mapped neighbours),
-//      mapping the pages the block needs there: new physical pages while the policy holds less
+//   2. otherwise best fit among free *unmapped* holes (each with its usable mapped neighbours)
+//      of the stream's own address ranges (stream_ranges: Note [Address ranges of their own for
+//      streams], defrag_grow.cpp), mapping the pages the block needs there: new physical pages
+//      while the policy holds less
 //      than (1 + grow_slack) x the peak live bytes; else another stream's safe hole that fits;
 //      else pages taken from free holes (oldest first); else, after waiting for its own stream,
 //      its recently freed pages; else new pages (Note [Where new pages come from],
@@ -30,7 +32,7 @@
 //                     pages are moved instead of new ones created (fraction, default 0.01; 0
 //                     moves the most pages and holds the least memory)
 //   max_grow_slack    how far the slack may rise when pages keep moving, step after step
-//                     (default 0.25; equal to grow_slack: never rises); a raise is undone after
+//                     (default 0.2; equal to grow_slack: never rises); a raise is undone after
 //                     quiet (Note [Slack that adapts to moves], Note [A time budget for moves],
 //                     Note [A raise that comes back], defrag_grow.cpp)
 //   small_size        requests up to this size go to their own address range, so that small
@@ -60,6 +62,11 @@
 //                     the same size on the same stream, up to this many MiB in all: a faster
 //                     pair for about 0.2-0.5% more peak memory (default 0: off) (Note [Recently
 //                     freed small blocks in defrag], defrag.cpp)
+//   stream_ranges     each stream (the first eight; later ones share the eighth's) places the
+//                     large blocks that need pages mapped in address ranges of its own, as
+//                     PyTorch's expandable segments keep one range per stream; pages still move
+//                     between the ranges (default True; Note [Address ranges of their own for
+//                     streams], defrag_grow.cpp)
 //
 // Note [Which requests are small]
 // Small blocks get an address range of their own because they share pages many to a page and
@@ -126,7 +133,7 @@ class DefragEngine;
 struct DefragSettings {
   std::size_t va_reserve_bytes = 0;  ///< 0 = twice the device memory
   double grow_slack = 0.01;
-  double max_grow_slack = 0.25;  ///< how far the slack may rise when pages keep moving
+  double max_grow_slack = 0.2;  ///< how far the slack may rise when pages keep moving
   double move_budget = 0.02;     ///< share of elapsed time page moves may take before the slack rises
   /// 0 = small requests share the large range (Note [Which requests are small])
   std::size_t small_size = 1 * kMiB;
@@ -138,6 +145,8 @@ struct DefragSettings {
   bool avoid_queued_unmaps = true;
   std::size_t max_chunk_bytes = 1 * kGiB;  ///< largest physical handle; one page = per-page handles
   std::size_t keep_small_bytes = 0;  ///< freed small blocks kept for reuse at their size (0: none)
+  /// Note [Address ranges of their own for streams] (defrag_grow.cpp)
+  bool stream_ranges = true;
 };
 
 /// What the policy did to the device, beyond the backend's own map/unmap counters.
