@@ -117,7 +117,8 @@
 // 1.371 -> 1.271, and with the default settings at a slack limit of 0.2 (Note [A time budget for
 // moves]) 1.200-1.201 at GPU lags of 0-100 ms against 1.201-1.231 with one range, with fewer
 // device calls at every lag (1,139-1,894 maps + unmaps in all against 1,584-2,504). Over the
-// development set (23 recordings x 5 lags) every other recording replays as before (its peak);
+// development set (23 recordings x 5 lags), against one range at the same limit, every other
+// recording replays to the same peak;
 // the one cost is mlp_two_streams of ../shared/traces at 5 and 10 ms, 1.013 -> 1.031: its side
 // stream's range grows three times at the main stream's peak while every hole of the main
 // stream is pending (its work runs 5 ms behind), and creates the 28 pages it lacks beyond the
