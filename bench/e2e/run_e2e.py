@@ -196,6 +196,9 @@ COUNTER_KEYS = ("allocator_ns", "alloc_calls", "free_calls", "num_device_alloc",
                 "defrag.placed_at_top",
                 "defrag.budget_raises", "defrag.return_raises", "defrag.slack_returns",
                 "defrag.pending_switches",
+                # the slack in force at the end (ppm) and the pages created beyond it (Note [Why
+                # pages were created beyond the slack]): did a run end at max_grow_slack?
+                "defrag.slack_ppm", "defrag.beyond_slack_pages",
                 # the front end's step memo (Note [The step memo], allocator.h)
                 "memo.served", "memo.entries", "memo.exits", "memo.replayed", "memo.verify_started",
                 "memo.verify_differed", "memo.verify_not_quiet", "memo.verify_stream",
@@ -1004,8 +1007,9 @@ def _heaviest_step(r: dict[str, Any]) -> dict[str, int]:
 def _defrag_run(r: dict[str, Any]) -> Optional[dict[str, Any]]:
     """What policy defrag's time budget did over the whole run (defrag_counters_run): its peak,
     slack raises (of which on time), whether it switched to moving pending, the share of its
-    charged growth time spent waiting for streams, and its growths placed above queued unmaps or
-    at the top of a hole (None for other allocators)."""
+    charged growth time spent waiting for streams, its growths placed above queued unmaps or at
+    the top of a hole, and (where the counters have them) the slack at the end of the run and the
+    pages created beyond the slack (None for other allocators)."""
     c = r.get("defrag_counters_run")
     if not c or "defrag.pending_switches" not in c or r.get("peak_bytes") is None:
         return None
@@ -1015,7 +1019,9 @@ def _defrag_run(r: dict[str, Any]) -> Optional[dict[str, Any]]:
             "on_time": c.get("defrag.budget_raises", 0), "switched": bool(c["defrag.pending_switches"]),
             "wait_share": c.get("defrag.wait_ns", 0) / move if move else None,
             "waits": waits, "wait_ms": c.get("defrag.wait_ns", 0) / waits / 1e6 if waits else None,
-            "above": c.get("defrag.placed_above_queued"), "top": c.get("defrag.placed_at_top")}
+            "above": c.get("defrag.placed_above_queued"), "top": c.get("defrag.placed_at_top"),
+            "slack": c["defrag.slack_ppm"] / 1e6 if "defrag.slack_ppm" in c else None,
+            "beyond": c.get("defrag.beyond_slack_pages")}
 
 
 def _quiet_steps(r: dict[str, Any]) -> Optional[dict[str, Any]]:
@@ -1335,10 +1341,13 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any], meta: dict[str, 
                     + (f" / {d['waits']} waits of {d['wait_ms']:.2f} ms" if d.get("wait_ms") is not None else "")
                     + (f" / placed {d['above']} above queued unmaps, {d['top']} at the top"
                        if d.get("above") or d.get("top") else "")
+                    + (f" / slack {d['slack']:.3f} at the end" if d.get("slack") is not None else "")
+                    + (f", {d['beyond']} pages created beyond it" if d.get("beyond") else "")
                     for d in ds)
                 lines.append(f"- {cfg}, each run's whole life (peak / slack raises / switched to moving "
                              f"pending / waits' share of the growths that moved or waited / stream waits and "
-                             f"their mean length, where it waited): {per_run}; "
+                             f"their mean length, where it waited; the slack at the end and the pages "
+                             f"created beyond the slack, where counted): {per_run}; "
                              f"switched in {sum(d['switched'] for d in ds)} of {len(ds)}")
         if heavy:
             # What the heaviest step of each run did (cachealloc: device calls, defrag's waits).
