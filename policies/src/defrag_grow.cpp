@@ -112,7 +112,10 @@
 // is reserved for a class that has none with room. Nothing else changes: a stream still takes
 // the best fit among its own mapped holes wherever they are, another stream's safe hole when the
 // slack is short (find_other), and pages move between the ranges like any others (steal() walks
-// the age list of every range). Small blocks share one range: they pack many to a page.
+// the age list of every range). Small blocks share one range: they pack many to a page. Eight
+// classes: more streams than the jobs measured allocate on (two), while each range reserves
+// va_reserve_gb of addresses (twice the device memory by default: eight ranges of an H200 are
+// 2.3 TB of the GPU's 128 TB or more of virtual addresses, and no memory).
 // Replayed (session 26, bench/results/defrag_session26_2026-12-05.md): the pipeline without moves
 // 1.371 -> 1.271, and with the default settings at a slack limit of 0.2 (Note [A time budget for
 // moves]) 1.200-1.201 at GPU lags of 0-100 ms against 1.201-1.231 with one range, with fewer
