@@ -24,8 +24,9 @@ void DefragEngine::check_invariants() const {
   for (const auto& a : arenas_) {
     CACHEALLOC_CHECK_INVARIANT(a->head != nullptr && a->head->prev == nullptr, "arena without head");
     // Note [Address ranges of their own for streams]: only large ranges belong to a stream.
-    CACHEALLOC_CHECK_INVARIANT(a->home < kStreamRanges && (a->home == 0 || (settings_.stream_ranges && a->kind == kLarge)),
-                               "address range of a stream where ranges are shared");
+    CACHEALLOC_CHECK_INVARIANT(
+        a->home < kStreamRanges && (a->home == 0 || (settings_.stream_ranges && a->kind == kLarge)),
+        "address range of a stream where ranges are shared");
     std::uintptr_t cursor = a->base;
     for (const Node* n = a->head; n != nullptr; n = n->next) {
       // Built only when a check fails (the macro evaluates its message lazily).

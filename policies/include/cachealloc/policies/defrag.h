@@ -14,11 +14,10 @@
 //   2. otherwise best fit among free *unmapped* holes (each with its usable mapped neighbours)
 //      of the stream's own address ranges (stream_ranges: Note [Address ranges of their own for
 //      streams], defrag_grow.cpp), mapping the pages the block needs there: new physical pages
-//      while the policy holds less
-//      than (1 + grow_slack) x the peak live bytes; else another stream's safe hole that fits;
-//      else pages taken from free holes (oldest first); else, after waiting for its own stream,
-//      its recently freed pages; else new pages (Note [Where new pages come from],
-//      defrag_grow.cpp).
+//      while the policy holds less than (1 + grow_slack) x the peak live bytes; else another
+//      stream's safe hole that fits; else pages taken from free holes (oldest first); else,
+//      after waiting for its own stream, its recently freed pages; else new pages (Note [Where
+//      new pages come from], defrag_grow.cpp).
 // Requests up to small_size go to a second address range, so small long-lived tensors do not
 // pin the pages of large holes (Note [Which requests are small]). Only pages wholly inside a
 // free hole move, so peak reserved is about max((1 + grow_slack) x peak live bytes, peak live
