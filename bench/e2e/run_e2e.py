@@ -1568,22 +1568,23 @@ def main(argv: Optional[list[str]] = None) -> int:
                                         f"{args.reps} rounds estimated at {estimate:.0f} s"
                                         + (f" against --time-budget-s {args.time_budget_s:.0f}" if args.time_budget_s else ""))
                     print(f"run_e2e: {meta['estimate']}", flush=True)
-                    if args.time_budget_s > 0 and estimate > args.time_budget_s and args.fit == "reps":
-                        rounds = 1 + min(args.reps - 1, int(max(args.time_budget_s - elapsed, 0.0) // max(round_s, 1e-9)))
-                        meta["reps_cut"] = f"{rounds} of {args.reps} rounds fit --time-budget-s {args.time_budget_s:.0f}"
-                        print(f"run_e2e: {meta['reps_cut']}; running {rounds}, every run with its full measured "
-                              "steps (--fit steps would shorten the later rounds instead)", flush=True)
-                    elif args.time_budget_s > 0 and estimate > args.time_budget_s:
-                        new = shrink_steps(round_results, steps, args.reps - 1, args.time_budget_s - elapsed,
-                                           args.min_steps)
-                        if new is not None and new != steps:
-                            meta["steps_shrunk"] = "; ".join(f"{wl} {s}" for wl, (_, s) in new.items())
-                            steps = new
-                            print(f"run_e2e: measured steps for rounds 2-{args.reps}: {meta['steps_shrunk']} "
-                                  "(so that every requested repetition runs)", flush=True)
-                        if new is not None and all(s == args.min_steps for _, s in new.values()):
-                            print(f"run_e2e: WARNING: even {args.min_steps} measured steps may not fit the budget; "
-                                  "results are written after every run", flush=True)
+                    if args.time_budget_s > 0 and estimate > args.time_budget_s:
+                        if args.fit == "reps":
+                            rounds = 1 + min(args.reps - 1, int(max(args.time_budget_s - elapsed, 0.0) // max(round_s, 1e-9)))
+                            meta["reps_cut"] = f"{rounds} of {args.reps} rounds fit --time-budget-s {args.time_budget_s:.0f}"
+                            print(f"run_e2e: {meta['reps_cut']}; running {rounds}, every run with its full measured "
+                                  "steps (--fit steps would shorten the later rounds instead)", flush=True)
+                        else:
+                            new = shrink_steps(round_results, steps, args.reps - 1, args.time_budget_s - elapsed,
+                                               args.min_steps)
+                            if new is not None and new != steps:
+                                meta["steps_shrunk"] = "; ".join(f"{wl} {s}" for wl, (_, s) in new.items())
+                                steps = new
+                                print(f"run_e2e: measured steps for rounds 2-{args.reps}: {meta['steps_shrunk']} "
+                                      "(so that every requested repetition runs)", flush=True)
+                            if new is not None and all(s == args.min_steps for _, s in new.values()):
+                                print(f"run_e2e: WARNING: even {args.min_steps} measured steps may not fit the budget; "
+                                      "results are written after every run", flush=True)
                 write_outputs()
         finally:
             runner.close()

@@ -605,9 +605,10 @@ def test_e2e_report_splits_long_runs_in_thirds(tmp_path):
 def test_e2e_report_says_how_each_defrag_run_ended(tmp_path):
     """--report-from: for policy defrag, each run's peak, slack raises (on time), whether it
     switched to moving pending, the waits' share of its charged growth time and the waits' count
-    and mean length (where the counters have them), from the whole run's counters, its growths placed above queued unmaps or at the top of a hole where there
-    were any, the slack at the end and the pages created beyond it (where counted), and how many
-    runs switched; runs without those counters get no such line."""
+    and mean length (where the counters have them), from the whole run's counters, its growths
+    placed above queued unmaps or at the top of a hole where there were any, the slack at the end
+    and the pages created beyond it (where counted), and how many runs switched; runs without
+    those counters get no such line."""
     runner = _need_e2e_runner()
     base = {"workload": "pipeline", "config": "cachealloc:defrag", "rep": 0, "steps": 4, "warmup": 1, "ok": True,
             "median_step_s": 0.01, "peak_bytes": 3634 << 20, "allocator_ns_per_step": 100_000.0,
