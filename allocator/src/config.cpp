@@ -158,6 +158,16 @@ std::optional<std::int64_t> Config::take_int(std::string_view key, std::int64_t 
   return value;
 }
 
+std::optional<double> parse_finite_double(std::string_view text) {
+  const std::string v(text);  // strtod needs the terminating zero
+  char* end = nullptr;
+  const double value = std::strtod(v.c_str(), &end);
+  if (v.empty() || end != v.c_str() + v.size() || !std::isfinite(value)) {
+    return std::nullopt;
+  }
+  return value;
+}
+
 std::optional<double> Config::take_double(std::string_view key, double min, double max) {
   const auto* e = find(key);
   if (e == nullptr) {
@@ -165,11 +175,11 @@ std::optional<double> Config::take_double(std::string_view key, double min, doub
   }
   mark_used(key);
   const std::string& v = e->second;
-  char* end = nullptr;
-  const double value = std::strtod(v.c_str(), &end);
-  if (end != v.c_str() + v.size() || !std::isfinite(value)) {
+  const std::optional<double> parsed = parse_finite_double(v);
+  if (!parsed) {
     throw ConfigError("CACHEALLOC_CONF: " + shown(key) + " expects a number, got " + shown(v));
   }
+  const double value = *parsed;
   if (value < min || value > max) {
     throw ConfigError("CACHEALLOC_CONF: " + shown(key) + " must be between " + std::to_string(min) +
                       " and " + std::to_string(max) + ", got " + v);

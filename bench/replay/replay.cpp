@@ -1,6 +1,7 @@
 // replay.cpp: turning snapshots into operations and replaying them (see replay.h).
 #include "replay.h"
 
+#include <cachealloc/config.h>
 #include <cachealloc/errors.h>
 #include <cachealloc/policies/registry.h>
 #ifdef CACHEALLOC_HAS_NATIVE
@@ -203,15 +204,9 @@ void apply_call_cost(SimCallCosts& costs, const std::string& spec) {
       continue;
     }
     const std::string value = eq == std::string::npos ? std::string() : spec.substr(eq + 1);
-    double us = -1;
-    std::size_t used = 0;
-    try {
-      us = std::stod(value, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
+    const double us = parse_finite_double(value).value_or(-1);
     // At most an hour per call: beyond that the simulated clock would overflow in a long trace.
-    if (value.empty() || used != value.size() || !(us >= 0) || us > 3.6e9) {
+    if (!(us >= 0) || us > 3.6e9) {
       throw ConfigError("--call-cost " + spec + ": expected " + kind +
                         "=MICROSECONDS, a number from 0 to 3600000000, e.g. " + kind + "=55");
     }

@@ -53,6 +53,16 @@ TEST_CASE("config: errors are clear", "[config]") {
                     Catch::Contains("unknown policy 'nope'") && Catch::Contains("size_class"));
 }
 
+TEST_CASE("config: one number parser for settings and command-line numbers", "[config]") {
+  CHECK(parse_finite_double("0.25") == 0.25);
+  CHECK(parse_finite_double("1e-3") == 1e-3);
+  CHECK(parse_finite_double("-2") == -2.0);
+  for (const char* bad : {"", "abc", "1.5x", "0.2 ", "inf", "-inf", "nan", "1e999"}) {
+    INFO(bad);
+    CHECK_FALSE(parse_finite_double(bad).has_value());
+  }
+}
+
 TEST_CASE("pointer map agrees with std::unordered_map under random churn", "[core]") {
   PointerMap<int> map;
   std::unordered_map<std::uintptr_t, int> ref;

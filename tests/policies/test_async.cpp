@@ -300,7 +300,7 @@ TEST_CASE("async: recently freed large blocks serve their exact size, and go to 
 
 TEST_CASE("async: small blocks are carved from per-stream slabs that go back when empty",
           "[async]") {
-  SimBackend sim(SimOptions{0, kGiB, 2 * kMiB, true});
+  SimBackend sim(SimOptions{.capacity = kGiB, .granularity = 2 * kMiB, .auto_complete_events = true});
   Config c;
   AsyncPolicy policy(sim, c);
   SimStreamPool& pool = pool_of(sim);

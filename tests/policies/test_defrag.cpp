@@ -7,7 +7,7 @@
 #include <cachealloc/sim_backend.h>
 
 // The engine's private header, for its index key (Note [One word ranks a hole]).
-#include "../../policies/src/defrag_engine.h"
+#include "defrag_engine.h"  // policies/src is on the include path of cachealloc_tests
 
 #include <catch2/catch.hpp>
 
@@ -85,7 +85,7 @@ class RuntimeOnlyBackend final : public DeviceBackend {
 class OracleBackend final : public DeviceBackend, private VirtualMemory {
  public:
   explicit OracleBackend(std::size_t capacity)
-      : inner_(SimOptions{0, capacity, 2 * MiB, false}), vm_(*inner_.virtual_memory()) {
+      : inner_(SimOptions{.capacity = capacity, .granularity = 2 * MiB}), vm_(*inner_.virtual_memory()) {
     attach(*this);
   }
 
@@ -1062,7 +1062,7 @@ TEST_CASE("defrag: through the front end, out of memory moves cached pages befor
           "[defrag][oom]") {
   Config config;
   CachingAllocator<DefragPolicy> a(
-      std::make_unique<SimBackend>(SimOptions{0, 256 * MiB, 2 * MiB, false}), config);
+      std::make_unique<SimBackend>(SimOptions{.capacity = 256 * MiB, .granularity = 2 * MiB}), config);
   std::vector<void*> ps;
   for (int i = 0; i < 12; ++i) {
     ps.push_back(a.allocate(20 * MiB, i % 2));
@@ -1121,7 +1121,7 @@ TEST_CASE("defrag: segments are the mapped runs with their blocks", "[defrag]") 
 }
 
 TEST_CASE("defrag: destruction gives every page and address range back", "[defrag]") {
-  SimBackend sim(SimOptions{0, kGiB, 2 * MiB, false});
+  SimBackend sim(SimOptions{.capacity = kGiB, .granularity = 2 * MiB});
   {
     DefragPolicy policy(sim, DefragSettings{});
     (void)policy.allocate(10 * MiB, 0);
@@ -1139,7 +1139,7 @@ TEST_CASE("defrag: a request beyond 1 PiB is refused and leaves the policy intac
   // front end refuses such requests before any policy sees them (kMaxRequestBytes); the policy
   // refuses them too, for a caller that uses it directly. Before the bound, 2^52 + 4 KiB spilled
   // into the bucket's bits and a range reserved for it outgrew its key.
-  SimBackend sim(SimOptions{0, kGiB, 2 * MiB, false});
+  SimBackend sim(SimOptions{.capacity = kGiB, .granularity = 2 * MiB});
   DefragPolicy policy(sim, DefragSettings{});
   const Block small = policy.allocate(3 * MiB, 0);
   REQUIRE(small);

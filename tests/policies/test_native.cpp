@@ -29,7 +29,8 @@ NativeSettings settings_from(const std::string& text) {
 /// A policy on its own simulated device (no front end), for rule-by-rule tests.
 struct Fixture {
   explicit Fixture(const std::string& conf = "", std::size_t capacity = std::size_t{143771} * MiB)
-      : backend(SimOptions{0, capacity, 2 * MiB, true}), policy(backend, settings_from(conf)) {
+      : backend(SimOptions{.capacity = capacity, .granularity = 2 * MiB, .auto_complete_events = true}),
+        policy(backend, settings_from(conf)) {
     policy.set_record_segments(true);
   }
   Block alloc(std::size_t bytes, StreamId stream = 0) {
@@ -280,7 +281,7 @@ TEST_CASE("native: out of memory frees cached blocks and retries", "[native][oom
   }
   SECTION("a split reservation in use stays; the front end raises OutOfMemory") {
     Config none;
-    CachingAllocator<NativePolicy> alloc(std::make_unique<SimBackend>(SimOptions{0, 100 * MiB}),
+    CachingAllocator<NativePolicy> alloc(std::make_unique<SimBackend>(SimOptions{.capacity = 100 * MiB}),
                                          none);
     void* p = alloc.allocate(5 * MiB, 0);  // 20 MiB reservation, split
     void* q = alloc.allocate(30 * MiB, 0);
@@ -447,7 +448,7 @@ namespace {
 /// after every step and no two live blocks overlapping.
 void random_run(const std::string& conf, std::uint32_t seed, std::size_t capacity, int steps) {
   Config config = Config::parse(conf);
-  CachingAllocator<NativePolicy> alloc(std::make_unique<SimBackend>(SimOptions{0, capacity}),
+  CachingAllocator<NativePolicy> alloc(std::make_unique<SimBackend>(SimOptions{.capacity = capacity}),
                                        config);
   std::mt19937 rng(seed);
   struct Live {

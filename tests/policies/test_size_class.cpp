@@ -18,7 +18,9 @@ namespace {
 constexpr std::size_t MiB = kMiB;
 
 struct Fixture {
-  Fixture() : backend(SimOptions{0, std::size_t{8} << 30, 2 * MiB, true}), policy(backend, config) {}
+  Fixture()
+      : backend(SimOptions{.capacity = std::size_t{8} << 30, .granularity = 2 * MiB, .auto_complete_events = true}),
+        policy(backend, config) {}
   Block alloc(std::size_t bytes, StreamId stream = 0) {
     Block b = policy.allocate(bytes, stream);
     REQUIRE(b);

@@ -18,6 +18,10 @@
 
 namespace cachealloc {
 
+/// The whole of `text` as a finite number (strtod's syntax), or nullopt: the one number parser
+/// of Config::take_double and the command-line options that take numbers.
+[[nodiscard]] std::optional<double> parse_finite_double(std::string_view text);
+
 class Config {
  public:
   Config() = default;
