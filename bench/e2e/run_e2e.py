@@ -1556,7 +1556,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                             status += f", {r['device_calls_per_step']:.1f} device calls/step"
                     else:
                         status = f"FAILED: {str(r.get('error'))[:200]}"
-                    print(f"[{n}/{len(plan)}] {wl:9s} {cfg:24s} rep {rep + 1}: {status} "
+                    # Of the runs that will happen: rounds, once --time-budget-s cut them.
+                    print(f"[{n}/{rounds * per_round}] {wl:9s} {cfg:24s} rep {rep + 1}: {status} "
                           f"({r.get('wall_s', 0):.1f} s, {r.get('mode', '?')})", flush=True)
                     write_outputs()
                 meta["rounds_done"] = rep + 1
