@@ -33,6 +33,37 @@ std::string with_commas(std::uint64_t v) {
   return s;
 }
 
+/// --explain: defrag's slack history (Note [A history of the slack]), one line per event.
+void print_history(const replay::PolicyResult& r) {
+  const auto mib = [](std::uint64_t b) { return with_commas((b + kMiB / 2) / kMiB); };
+  if (r.history.empty()) {
+    std::printf("  %s: its slack never moved and no growth created pages beyond it\n", r.name.c_str());
+    return;
+  }
+  std::printf("  %s, the moments that decided what it holds (time on the trace's clock; live / peak "
+              "live / reserved MiB, and reserved over the peak):\n", r.name.c_str());
+  for (const replay::HistoryEvent& e : r.history) {
+    char change[64];
+    if (e.pages != 0) {
+      std::snprintf(change, sizeof change, "%llu pages at %.4f", static_cast<unsigned long long>(e.pages),
+                    e.slack_after);
+    } else if (e.slack_after != e.slack_before) {
+      std::snprintf(change, sizeof change, "%.4f -> %.4f", e.slack_before, e.slack_after);
+    } else {
+      std::snprintf(change, sizeof change, "at %.4f", e.slack_after);
+    }
+    const double over = e.peak_live_bytes != 0
+                            ? static_cast<double>(e.reserved_bytes) / static_cast<double>(e.peak_live_bytes)
+                            : 0.0;
+    std::printf("    %9.3f s  %-36s %-20s %s / %s / %s (%.3fx)\n", e.time_s, e.what.c_str(), change,
+                mib(e.live_bytes).c_str(), mib(e.peak_live_bytes).c_str(), mib(e.reserved_bytes).c_str(), over);
+  }
+  if (r.history_dropped != 0) {
+    std::printf("    ... and %llu later events (the policy keeps the first %zu)\n",
+                static_cast<unsigned long long>(r.history_dropped), r.history.size());
+  }
+}
+
 std::size_t parse_capacity(const std::string& text) {
   Config c = Config::parse("capacity:" + text);
   return *c.take_bytes("capacity");
@@ -58,6 +89,7 @@ int main(int argc, char** argv) {
   std::string device_kind = "sim";
   int device = -1;
   bool quiet = false;
+  bool explain = false;
   bool list = false;
   std::uint64_t check_every = 0;
   std::uint32_t phases = 0;
@@ -98,6 +130,12 @@ int main(int argc, char** argv) {
                  "also print, per policy, the device calls (reserves, creates, releases, maps, "
                  "unmaps) made in each of N equal slices of the trace's operations: a policy that "
                  "settles makes none once a repeating job reached its steady state (default 0: off)");
+  app.add_flag("--explain", explain,
+               "also print, for defrag, the moments that decided what it holds beyond the live "
+               "peak, in order: each raise of its slack (and why), each raise undone, the switch "
+               "to moving pending, and each growth that created pages beyond the slack, with the "
+               "time, the slack, the live bytes, their peak and the reserved bytes then (the "
+               "first 512; also in --json as slack_history)");
   app.add_option("--gpu-lag-us", gpu_lag_us,
                  "simulated device: the GPU finishes the work queued on a stream this many "
                  "microseconds (of the trace's own clock) after the host queued it, so events "
@@ -312,6 +350,13 @@ int main(int argc, char** argv) {
         }
       }
     }
+    if (explain) {
+      for (const replay::PolicyResult& r : results) {
+        if (r.error.empty() && r.name.rfind("defrag", 0) == 0) {
+          print_history(r);
+        }
+      }
+    }
     if (phases != 0) {
       std::printf("device calls per 1/%u of the operations (reserves + creates + releases + maps + "
                   "unmaps; maps/unmaps in brackets where any):\n", phases);
@@ -387,6 +432,16 @@ int main(int argc, char** argv) {
           p["replay_seconds"] = r.seconds;
           if (!r.detail.empty()) {
             p["detail"] = r.detail;
+          }
+          if (explain && r.name.rfind("defrag", 0) == 0) {
+            p["slack_history"] = nlohmann::json::array();
+            for (const replay::HistoryEvent& e : r.history) {
+              p["slack_history"].push_back({{"event", e.what}, {"time_s", e.time_s},
+                                            {"slack_before", e.slack_before}, {"slack_after", e.slack_after},
+                                            {"live_bytes", e.live_bytes}, {"peak_live_bytes", e.peak_live_bytes},
+                                            {"reserved_bytes", e.reserved_bytes}, {"pages", e.pages}});
+            }
+            p["slack_history_dropped"] = r.history_dropped;
           }
           if (!r.phases.empty()) {
             p["phases"] = nlohmann::json::array();

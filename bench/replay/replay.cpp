@@ -495,6 +495,12 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
       r.detail += ", " + std::to_string(d.placed_at_top) +
                   " growths placed at the top of their hole to use the free pages above it";
     }
+    for (const SlackEvent& e : a->policy().slack_history()) {
+      r.history.push_back(HistoryEvent{std::string(slack_event_name(e.kind)),
+                                       static_cast<double>(e.time_ns) / 1e9, e.slack_before, e.slack_after,
+                                       e.live_bytes, e.peak_live_bytes, e.reserved_bytes, e.pages});
+    }
+    r.history_dropped = a->policy().slack_events_dropped();
     if (d.beyond_slack_growths != 0) {  // Note [Why pages were created beyond the slack]
       const auto num = [](std::uint64_t x) { return std::to_string(x); };
       r.detail += "; " + num(d.beyond_slack_growths) + " growths created " + num(d.beyond_slack_pages) +

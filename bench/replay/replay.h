@@ -86,6 +86,19 @@ struct Sample {
   std::uint64_t requested;
 };
 
+/// One moment that decided what defrag holds beyond its live peak: a change of its slack, or a
+/// growth that created pages beyond it (SlackEvent, Note [A history of the slack]).
+struct HistoryEvent {
+  std::string what;  ///< slack_event_name()
+  double time_s = 0;  ///< on the simulated host's clock (the trace's own times plus modelled calls)
+  double slack_before = 0;
+  double slack_after = 0;
+  std::uint64_t live_bytes = 0;
+  std::uint64_t peak_live_bytes = 0;
+  std::uint64_t reserved_bytes = 0;
+  std::uint64_t pages = 0;  ///< pages created beyond the slack (0 for a change of the slack)
+};
+
 /// Device calls made during one slice of the trace's operations (ReplayOptions::phases).
 struct Phase {
   std::uint64_t end_op = 0;        ///< the slice is the operations before this index
@@ -116,6 +129,8 @@ struct PolicyResult {
   std::vector<Phase> phases;    ///< ReplayOptions::phases slices, in order
   std::string error;            ///< non-empty when the policy could not run
   std::string detail;           ///< the policy's own counters, in words (defrag), or empty
+  std::vector<HistoryEvent> history;  ///< defrag: its slack's history, in order
+  std::uint64_t history_dropped = 0;  ///< events after the first kSlackHistoryLength, only counted
 };
 
 struct ReplayOptions {

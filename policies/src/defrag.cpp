@@ -805,6 +805,20 @@ std::size_t DefragPolicy::release_cached() { return engine_->release_cached(); }
 std::size_t DefragPolicy::reserved_bytes() const noexcept { return engine_->reserved_bytes(); }
 void DefragPolicy::check_invariants() const { engine_->check_invariants(); }
 DefragCounters DefragPolicy::counters() const noexcept { return engine_->counters(); }
+const std::vector<SlackEvent>& DefragPolicy::slack_history() const noexcept { return engine_->slack_history(); }
+std::uint64_t DefragPolicy::slack_events_dropped() const noexcept { return engine_->slack_events_dropped(); }
+
+std::string_view slack_event_name(SlackEvent::Kind kind) noexcept {
+  switch (kind) {
+    case SlackEvent::Kind::count_raise: return "raised (dense moves)";
+    case SlackEvent::Kind::time_raise: return "raised (moves over the time budget)";
+    case SlackEvent::Kind::return_raise: return "raised (pages that came back stay)";
+    case SlackEvent::Kind::returned: return "raise undone after quiet";
+    case SlackEvent::Kind::pending_switch: return "switched to moving pending";
+    case SlackEvent::Kind::beyond_slack: return "pages created beyond the slack";
+  }
+  return "?";
+}
 
 std::vector<std::pair<std::string, std::int64_t>> DefragPolicy::stat_counters() const {
   const DefragCounters& c = engine_->counters();

@@ -239,6 +239,8 @@ class alignas(64) DefragEngine {
   void note_repeated(std::uint64_t allocations) noexcept { window_allocations_ += allocations; }
   [[nodiscard]] const DefragCounters& counters() const noexcept { return counters_; }
   [[nodiscard]] const DefragSettings& settings() const noexcept { return settings_; }
+  [[nodiscard]] const std::vector<SlackEvent>& slack_history() const noexcept { return history_; }
+  [[nodiscard]] std::uint64_t slack_events_dropped() const noexcept { return history_dropped_; }
 
  private:
   static constexpr std::uint32_t kLarge = 0;
@@ -480,9 +482,14 @@ class alignas(64) DefragEngine {
   void note_move_time(std::uint64_t now_ns, std::uint64_t spent_ns,
                       std::uint64_t waited_ns) noexcept;
   /// The slack times `factor` (at least 0.005, at most max_grow_slack), counted as a raise.
-  void raise_slack(double factor = 2.0) noexcept;
+  void raise_slack(SlackEvent::Kind why, double factor = 2.0) noexcept;
   /// Sets the slack, counted as a raise (slack_raises, and the slack figure in counters_).
-  void raise_slack_to(double slack) noexcept;
+  void raise_slack_to(SlackEvent::Kind why, double slack) noexcept;
+  /// Note [A history of the slack]: appends to history_ (never throws; counts what it drops).
+  void note_slack_event(SlackEvent::Kind kind, double before, double after,
+                        std::uint64_t pages = 0) noexcept;
+  std::vector<SlackEvent> history_;
+  std::uint64_t history_dropped_ = 0;
 
   std::vector<Chunk> scratch_;
   std::vector<MapPiece> pieces_;  // scratch_ as map_run wants it (kept to reuse its storage)

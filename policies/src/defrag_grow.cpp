@@ -418,7 +418,7 @@ bool DefragEngine::gather_pages(std::size_t count, std::size_t room, std::size_t
       const double kept = returned_slack_ + (raised - slack_);
       if (raised <= settings_.max_grow_slack && kept <= settings_.grow_slack) {
         returned_slack_ = kept;
-        raise_slack_to(raised);
+        raise_slack_to(SlackEvent::Kind::return_raise, raised);
         ++counters_.return_raises;
         create_pages(lacking);
       }
@@ -480,6 +480,7 @@ bool DefragEngine::create_beyond_slack(std::size_t count, const Node* hole) {
 void DefragEngine::note_beyond_slack(std::size_t pages, const Node* hole) noexcept {
   ++counters_.beyond_slack_growths;
   counters_.beyond_slack_pages += pages;
+  note_slack_event(SlackEvent::Kind::beyond_slack, slack_, slack_, pages);
   for (const auto& a : arenas_) {
     for (const Node* n = a->head; n != nullptr; n = n->next) {
       const std::size_t whole = n->state == State::mapped_free ? whole_pages(n) : 0;
@@ -668,21 +669,47 @@ void DefragEngine::note_move() noexcept {
   }
   dense_windows_ = window_allocations_ < kMoveWindow * kAllocationsPerMove ? dense_windows_ + 1 : 0;
   if (dense_windows_ >= kDenseWindows && slack_ < settings_.max_grow_slack) {
-    raise_slack();
+    raise_slack(SlackEvent::Kind::count_raise);
     dense_windows_ = 0;
   }
   window_moves_ = 0;
   window_allocations_ = 0;
 }
 
-void DefragEngine::raise_slack(double factor) noexcept {
-  raise_slack_to(std::min(std::max(factor * slack_, 0.005), settings_.max_grow_slack));
+void DefragEngine::raise_slack(SlackEvent::Kind why, double factor) noexcept {
+  raise_slack_to(why, std::min(std::max(factor * slack_, 0.005), settings_.max_grow_slack));
 }
 
-void DefragEngine::raise_slack_to(double slack) noexcept {
+void DefragEngine::raise_slack_to(SlackEvent::Kind why, double slack) noexcept {
+  note_slack_event(why, slack_, slack);
   slack_ = slack;
   ++counters_.slack_raises;
   counters_.slack = slack_;
+}
+
+// Note [A history of the slack]
+// What a job holds beyond its live peak is decided at a few moments: when the slack rose (and
+// on what evidence), when a raise came back, when waits switched the policy to moving pending,
+// and when a growth created pages beyond the slack because the free pages could not move yet.
+// The counters say how often; the order and the figures at each moment (time, slack before and
+// after, live bytes, their peak, reserved bytes) say why. Sessions 25 and 27 each rebuilt the
+// policy with prints to see them (vit_ckpt replayed at 1.142x its live peak because a raise
+// granted at a live peak of 2,150 MiB held while the peak rose to 2,796 MiB). So the policy keeps them:
+// the first kSlackHistoryLength events (a job's decisive moments come early; later ones are only
+// counted), at most 28 KiB, appended on these rare paths only. cachealloc-replay --explain
+// prints them.
+void DefragEngine::note_slack_event(SlackEvent::Kind kind, double before, double after,
+                                    std::uint64_t pages) noexcept {
+  if (history_.size() >= kSlackHistoryLength) {
+    ++history_dropped_;
+    return;
+  }
+  try {
+    history_.push_back(SlackEvent{kind, backend_.clock_ns(), before, after, live_bytes_, peak_live_,
+                                  reserved_bytes(), pages});
+  } catch (...) {  // out of host memory: the history is a diagnostic, the allocation goes on
+    ++history_dropped_;
+  }
 }
 
 // Note [A time budget for moves]
@@ -791,6 +818,7 @@ void DefragEngine::note_move_time(std::uint64_t now_ns, std::uint64_t spent_ns,
     // the stream: stop waiting rather than hold more memory.
     pending_mode_ = true;
     counters_.pending_switches = 1;
+    note_slack_event(SlackEvent::Kind::pending_switch, slack_, slack_);
   } else if (over_budget && slack_ < settings_.max_grow_slack) {
     // Over the budget by a factor f: the slack grows by f / 4 (2 to 16), not by 2 whatever f
     // was. A job far over it reaches the slack that stops its moves within a window or two
@@ -801,7 +829,7 @@ void DefragEngine::note_move_time(std::uint64_t now_ns, std::uint64_t spent_ns,
     if (budget_quiet_ns_ == 0) {
       slack_before_budget_ = slack_;
     }
-    raise_slack(std::clamp(over / 4, 2.0, 16.0));
+    raise_slack(SlackEvent::Kind::time_raise, std::clamp(over / 4, 2.0, 16.0));
     ++counters_.budget_raises;
     // (move_budget:0 allows no moves at all: such a raise never comes back.)
     const double quiet = settings_.move_budget > 0
@@ -899,6 +927,7 @@ void DefragEngine::lower_slack_if_quiet(std::uint64_t now_ns) noexcept {
   }
   budget_quiet_ns_ = 0;
   if (slack_before_budget_ < slack_) {
+    note_slack_event(SlackEvent::Kind::returned, slack_, slack_before_budget_);
     slack_ = slack_before_budget_;
     counters_.slack = slack_;
     ++counters_.slack_returns;

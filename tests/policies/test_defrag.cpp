@@ -1654,6 +1654,95 @@ TEST_CASE("defrag: moves in bursts seconds apart are paid by the quiet time, and
   CHECK(none.slack_returns == 0);
 }
 
+namespace {
+/// Note [A history of the slack]: the history agrees with the counters and tells the slack's
+/// whole path: it starts at grow_slack, each event starts where the one before ended, raises
+/// raise it, returns lower it, and it ends at the slack in force.
+void check_history(CachingAllocator<DefragPolicy>& a) {
+  const DefragPolicy& p = a.policy();
+  const DefragCounters c = p.counters();
+  const std::vector<SlackEvent>& h = p.slack_history();
+  REQUIRE(p.slack_events_dropped() == 0);
+  std::uint64_t raises = 0, on_time = 0, returns_kept = 0, undone = 0, switches = 0, beyond = 0,
+                beyond_pages = 0;
+  double slack = p.settings().grow_slack;
+  std::uint64_t last_ns = 0;
+  for (const SlackEvent& e : h) {
+    INFO(slack_event_name(e.kind) << " at " << e.time_ns << " ns: " << e.slack_before << " -> "
+                                  << e.slack_after);
+    CHECK(e.time_ns >= last_ns);
+    CHECK(e.slack_before == slack);
+    CHECK(e.peak_live_bytes >= e.live_bytes);
+    switch (e.kind) {
+      case SlackEvent::Kind::count_raise: ++raises; CHECK(e.slack_after > e.slack_before); break;
+      case SlackEvent::Kind::time_raise: ++raises; ++on_time; CHECK(e.slack_after > e.slack_before); break;
+      case SlackEvent::Kind::return_raise: ++raises; ++returns_kept; CHECK(e.slack_after > e.slack_before); break;
+      case SlackEvent::Kind::returned: ++undone; CHECK(e.slack_after < e.slack_before); break;
+      case SlackEvent::Kind::pending_switch: ++switches; CHECK(e.slack_after == e.slack_before); break;
+      case SlackEvent::Kind::beyond_slack:
+        ++beyond;
+        beyond_pages += e.pages;
+        CHECK(e.pages > 0);
+        CHECK(e.slack_after == e.slack_before);
+        break;
+    }
+    slack = e.slack_after;
+    last_ns = e.time_ns;
+  }
+  CHECK(slack == c.slack);
+  CHECK(raises == c.slack_raises);
+  CHECK(on_time == c.budget_raises);
+  CHECK(returns_kept == c.return_raises);
+  CHECK(undone == c.slack_returns);
+  CHECK(switches == c.pending_switches);
+  CHECK(beyond == c.beyond_slack_growths);
+  CHECK(beyond_pages == c.beyond_slack_pages);
+}
+}  // namespace
+
+TEST_CASE("defrag: the slack's history tells its whole path, in step with the counters",
+          "[defrag][patterns]") {
+  // Back to back for 30 steps, then in bursts (the test above): raises on time, a return after
+  // the first quiet; and a GPU 2 ms behind a fast host, which switches to moving pending.
+  {
+    Workload w("max_grow_slack:0.25", 2'000);
+    random_shape_job(w, 120, [&](int step) {
+      if (step >= 30 && step % 3 == 0) {
+        w.idle(5'000'000'000);
+      }
+    });
+    const DefragCounters c = w.allocator().policy().counters();
+    REQUIRE(c.budget_raises >= 1);
+    REQUIRE(c.slack_returns >= 1);
+    check_history(w.allocator());
+  }
+  {
+    Workload w("", 2'000, 2'000'000);
+    random_shape_job(w, 60, [](int) {});
+    check_history(w.allocator());
+  }
+}
+
+TEST_CASE("defrag: the slack's history keeps its first events and counts the rest", "[defrag]") {
+  // With no slack at all, blocks of 3 MiB + 512 B held one after another each end on a page
+  // that the next one shares: most growths create a page beyond the slack.
+  Workload w("grow_slack:0,max_grow_slack:0");
+  std::vector<void*> held;
+  for (int i = 0; i < 1200; ++i) {
+    held.push_back(w.alloc(3 * MiB + 512));
+  }
+  const DefragPolicy& p = w.allocator().policy();
+  const DefragCounters c = p.counters();
+  INFO(c.beyond_slack_growths << " growths beyond the slack");
+  REQUIRE(c.beyond_slack_growths > kSlackHistoryLength);
+  CHECK(p.slack_history().size() == kSlackHistoryLength);
+  CHECK(p.slack_history().size() + p.slack_events_dropped() ==
+        c.beyond_slack_growths + c.slack_raises + c.slack_returns + c.pending_switches);
+  for (void* b : held) {
+    w.free(b);
+  }
+}
+
 TEST_CASE("defrag: pages the small and large ranges trade back and forth at every step stay put",
           "[defrag][patterns]") {
   // Note [Pages that come back] (defrag_grow.cpp). Each step first holds small blocks (their own

@@ -197,6 +197,32 @@ struct DefragCounters {
   double slack = 0.0;                  ///< the grow slack in force now
 };
 
+/// One change of the slack, or one growth that created pages beyond it: the policy keeps the
+/// first kSlackHistoryLength of them (DefragPolicy::slack_history(); Note [A history of the
+/// slack], defrag_grow.cpp), which tell why a job holds what it holds beyond its live peak.
+struct SlackEvent {
+  enum class Kind : std::uint8_t {
+    count_raise,     ///< moves came densely (Note [Slack that adapts to moves])
+    time_raise,      ///< moves took more than move_budget (Note [A time budget for moves])
+    return_raise,    ///< pages kept where they came back to (Note [Pages that come back])
+    returned,        ///< a raise on time undone after quiet (Note [A raise that comes back])
+    pending_switch,  ///< waits put moves over the budget (Note [Waits that switch to moving pending])
+    beyond_slack,    ///< a growth created pages beyond the slack (Note [Why pages were created beyond the slack])
+  };
+  Kind kind = Kind::count_raise;
+  std::uint64_t time_ns = 0;  ///< the backend's clock (in replays the trace's own, plus modelled call costs)
+  double slack_before = 0.0;
+  double slack_after = 0.0;
+  std::uint64_t live_bytes = 0;       ///< at the event
+  std::uint64_t peak_live_bytes = 0;  ///< the peak of live bytes so far (the slack's base)
+  std::uint64_t reserved_bytes = 0;   ///< mapped pages at the event (before a beyond_slack growth's)
+  std::uint64_t pages = 0;            ///< beyond_slack: the pages created beyond the slack
+};
+/// How many SlackEvents the policy keeps; later ones are only counted.
+inline constexpr std::size_t kSlackHistoryLength = 512;
+/// The name of a SlackEvent kind, as cachealloc-replay --explain prints it.
+[[nodiscard]] std::string_view slack_event_name(SlackEvent::Kind kind) noexcept;
+
 /// Where the physical memory held goes (DefragPolicy::breakdown(), O(ranges)).
 struct DefragBreakdown {
   std::size_t live_bytes = 0;         ///< bytes of live blocks
@@ -259,6 +285,11 @@ class DefragPolicy {
   /// The step memo served `allocations` allocations (whole periods) without calling allocate():
   /// they count towards the moves' density as if it had (Note [Slack that adapts to moves]).
   void note_repeated(std::uint64_t allocations) noexcept;
+
+  /// The first kSlackHistoryLength changes of the slack and growths beyond it, in order, and how
+  /// many came after them (Note [A history of the slack], defrag_grow.cpp).
+  [[nodiscard]] const std::vector<SlackEvent>& slack_history() const noexcept;
+  [[nodiscard]] std::uint64_t slack_events_dropped() const noexcept;
 
   /// Parses the keys of config_keys() from `config` (marking them used).
   static DefragSettings parse_settings(Config& config);
