@@ -223,6 +223,17 @@ extern "C" int64_t cachealloc_memory_stats_json(int device, char* buf, size_t le
   }
 }
 
+extern "C" int64_t cachealloc_policy_report_json(int device, char* buf, size_t len) {
+  try {
+    Runtime& rt = Runtime::get();
+    const cachealloc::DeviceAllocator* a = rt.allocator_if_created(device < 0 ? 0 : device);
+    return copy_out(a != nullptr ? a->policy_report_json() : std::string("{}"), buf, len);
+  } catch (...) {
+    remember_current_exception();
+    return -1;
+  }
+}
+
 extern "C" int64_t cachealloc_policies_json(char* buf, size_t len) {
   try {
     std::string json = "[";

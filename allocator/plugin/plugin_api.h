@@ -64,6 +64,10 @@ CACHEALLOC_EXPORT void* cachealloc_base_alloc(void* ptr, size_t* size);
  *  `len` bytes including the terminating NUL; returns the JSON's length (without NUL), so a
  *  return value >= len means "call again with a bigger buffer". -1 on error. */
 CACHEALLOC_EXPORT int64_t cachealloc_memory_stats_json(int device, char* buf, size_t len);
+/** What the policy of `device` can tell about its decisions, as a JSON object: policy defrag
+ *  gives {"slack_history": [...], "slack_history_dropped": n} (Note [A history of the slack]);
+ *  other policies, or a device not used yet, "{}". Buffer and return value as above. */
+CACHEALLOC_EXPORT int64_t cachealloc_policy_report_json(int device, char* buf, size_t len);
 /** Registered policies as a JSON list of {name, summary, backend, replay_only, config_keys}. */
 CACHEALLOC_EXPORT int64_t cachealloc_policies_json(char* buf, size_t len);
 /** Peak statistics := current ones, for `device` (< 0: every device). 0 or -1. */

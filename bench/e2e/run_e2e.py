@@ -657,6 +657,13 @@ def run_workload(spec: dict[str, Any]) -> dict[str, Any]:
             run_counters = {k: v for k, v in after.items() if k.startswith("defrag.")}
             if run_counters:
                 result["defrag_counters_run"] = run_counters
+                if kind == "plugin":
+                    # Note [A history of the slack]: when and why its slack moved, and the
+                    # growths that went beyond it, with the live peak at each moment.
+                    try:
+                        result["defrag_slack_history"] = cachealloc.policy_report(device).get("slack_history", [])
+                    except Exception as e:  # a diagnostic: the run stands without it
+                        result["defrag_slack_history_error"] = f"{type(e).__name__}: {e}"
             if "allocator_ns" in delta and kind in ("plugin", "full"):
                 result["allocator_ns_per_step"] = delta["allocator_ns"] / steps
                 result["allocator_pct_of_step"] = 100.0 * delta["allocator_ns"] / steps / (median_step * 1e9)
@@ -1024,6 +1031,34 @@ def _defrag_run(r: dict[str, Any]) -> Optional[dict[str, Any]]:
             "beyond": c.get("defrag.beyond_slack_pages")}
 
 
+_SLACK_EVENT_WORDS = {"count_raise": "dense moves", "time_raise": "on time", "return_raise": "pages came back",
+                      "returned": "undone", "pending_switch": "switched to moving pending"}
+
+
+def _slack_path(r: dict[str, Any]) -> Optional[str]:
+    """Policy defrag's slack over the whole run, from its history (Note [A history of the slack]):
+    each change (seconds after the history's first event, the new slack, why, and the live peak
+    then, MiB), then the growths beyond the slack (how many, their pages, and when the last one
+    came). None for other allocators or runs without a history."""
+    h = r.get("defrag_slack_history")
+    if not h:
+        return None
+    t0 = h[0]["time_ns"]
+    parts = []
+    for e in h:
+        if e["event"] == "beyond_slack":
+            continue
+        what = _SLACK_EVENT_WORDS.get(e["event"], e["event"])
+        change = f"{e['slack_after']:.4g}" if e["slack_after"] != e["slack_before"] else "slack unchanged"
+        parts.append(f"{(e['time_ns'] - t0) / 1e9:.2f} s {change} ({what}, peak {e['peak_live_bytes'] / MiB:,.0f})")
+    beyond = [e for e in h if e["event"] == "beyond_slack"]
+    text = "; ".join(parts) if parts else f"never moved from {h[0]['slack_before']:.4g}"
+    if beyond:
+        text += (f"; {len(beyond)} growths beyond the slack, {sum(e['pages'] for e in beyond)} pages, "
+                 f"the last at {(beyond[-1]['time_ns'] - t0) / 1e9:.2f} s")
+    return text
+
+
 def _quiet_steps(r: dict[str, Any]) -> Optional[dict[str, Any]]:
     """The run's measured steps without a device call: how many, their median allocator ns, and
     that over the run's median step time (None where the run has no per-step calls)."""
@@ -1095,6 +1130,8 @@ def summarize(results: list[dict[str, Any]], workloads: list[str], configs: list
                 # Per run (policy defrag): how its time budget ended (Note [Waits that switch to
                 # moving pending]): the run-to-run spread of its peak often comes from there.
                 "defrag_runs": [d for r in ok if (d := _defrag_run(r))],
+                # Per run (policy defrag): its slack's path (Note [A history of the slack]).
+                "slack_paths": [p for r in ok if (p := _slack_path(r))],
                 # Per run of 30 measured steps or more: the allocator's share in each third.
                 "thirds": [t for r in ok if (t := _thirds(r))],
                 "counters_delta_per_step": {
@@ -1349,6 +1386,13 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any], meta: dict[str, 
                              f"their mean length, where it waited; the slack at the end and the pages "
                              f"created beyond the slack, where counted): {per_run}; "
                              f"switched in {sum(d['switched'] for d in ds)} of {len(ds)}")
+        paths = [(cfg, r["slack_paths"]) for cfg, r in rows.items() if r.get("slack_paths")]
+        if paths:
+            lines += [""] + [
+                f"- {cfg}, its slack over each run's whole life (seconds after its first change or "
+                f"growth beyond it: the new slack, why, and the peak of live bytes then, MiB): "
+                + " | ".join(f"run {i + 1}: {p}" for i, p in enumerate(ps))
+                for cfg, ps in paths]
         if heavy:
             # What the heaviest step of each run did (cachealloc: device calls, defrag's waits).
             lines += [""] + [

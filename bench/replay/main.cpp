@@ -45,8 +45,8 @@ void print_history(const replay::PolicyResult& r) {
   for (const replay::HistoryEvent& e : r.history) {
     char change[64];
     if (e.pages != 0) {
-      std::snprintf(change, sizeof change, "%llu pages at %.4f", static_cast<unsigned long long>(e.pages),
-                    e.slack_after);
+      std::snprintf(change, sizeof change, "%llu page%s at %.4f", static_cast<unsigned long long>(e.pages),
+                    e.pages == 1 ? "" : "s", e.slack_after);
     } else if (e.slack_after != e.slack_before) {
       std::snprintf(change, sizeof change, "%.4f -> %.4f", e.slack_before, e.slack_after);
     } else {
@@ -436,7 +436,7 @@ int main(int argc, char** argv) {
           if (explain && r.name.rfind("defrag", 0) == 0) {
             p["slack_history"] = nlohmann::json::array();
             for (const replay::HistoryEvent& e : r.history) {
-              p["slack_history"].push_back({{"event", e.what}, {"time_s", e.time_s},
+              p["slack_history"].push_back({{"event", e.id}, {"label", e.what}, {"time_s", e.time_s},
                                             {"slack_before", e.slack_before}, {"slack_after", e.slack_after},
                                             {"live_bytes", e.live_bytes}, {"peak_live_bytes", e.peak_live_bytes},
                                             {"reserved_bytes", e.reserved_bytes}, {"pages", e.pages}});

@@ -496,7 +496,7 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
                   " growths placed at the top of their hole to use the free pages above it";
     }
     for (const SlackEvent& e : a->policy().slack_history()) {
-      r.history.push_back(HistoryEvent{std::string(slack_event_name(e.kind)),
+      r.history.push_back(HistoryEvent{std::string(slack_event_id(e.kind)), std::string(slack_event_name(e.kind)),
                                        static_cast<double>(e.time_ns) / 1e9, e.slack_before, e.slack_after,
                                        e.live_bytes, e.peak_live_bytes, e.reserved_bytes, e.pages});
     }

@@ -89,7 +89,8 @@ struct Sample {
 /// One moment that decided what defrag holds beyond its live peak: a change of its slack, or a
 /// growth that created pages beyond it (SlackEvent, Note [A history of the slack]).
 struct HistoryEvent {
-  std::string what;  ///< slack_event_name()
+  std::string id;    ///< slack_event_id(): "time_raise", "beyond_slack", ...
+  std::string what;  ///< slack_event_name(), in words
   double time_s = 0;  ///< on the simulated host's clock (the trace's own times plus modelled calls)
   double slack_before = 0;
   double slack_after = 0;

@@ -61,6 +61,7 @@
 #include "defrag_engine.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <limits>
 #include <new>
 #include <string>
@@ -807,6 +808,38 @@ void DefragPolicy::check_invariants() const { engine_->check_invariants(); }
 DefragCounters DefragPolicy::counters() const noexcept { return engine_->counters(); }
 const std::vector<SlackEvent>& DefragPolicy::slack_history() const noexcept { return engine_->slack_history(); }
 std::uint64_t DefragPolicy::slack_events_dropped() const noexcept { return engine_->slack_events_dropped(); }
+
+std::string DefragPolicy::report_json() const {
+  std::string json = "{\"slack_history\": [";
+  bool first = true;
+  for (const SlackEvent& e : slack_history()) {
+    const std::string_view id = slack_event_id(e.kind);
+    char line[320];
+    std::snprintf(line, sizeof line,
+                  "%s{\"event\": \"%.*s\", \"time_ns\": %llu, \"slack_before\": %.9g, \"slack_after\": %.9g, "
+                  "\"live_bytes\": %llu, \"peak_live_bytes\": %llu, \"reserved_bytes\": %llu, \"pages\": %llu}",
+                  first ? "" : ", ", static_cast<int>(id.size()), id.data(),
+                  static_cast<unsigned long long>(e.time_ns), e.slack_before, e.slack_after,
+                  static_cast<unsigned long long>(e.live_bytes), static_cast<unsigned long long>(e.peak_live_bytes),
+                  static_cast<unsigned long long>(e.reserved_bytes), static_cast<unsigned long long>(e.pages));
+    json += line;
+    first = false;
+  }
+  json += "], \"slack_history_dropped\": " + std::to_string(slack_events_dropped()) + "}";
+  return json;
+}
+
+std::string_view slack_event_id(SlackEvent::Kind kind) noexcept {
+  switch (kind) {
+    case SlackEvent::Kind::count_raise: return "count_raise";
+    case SlackEvent::Kind::time_raise: return "time_raise";
+    case SlackEvent::Kind::return_raise: return "return_raise";
+    case SlackEvent::Kind::returned: return "returned";
+    case SlackEvent::Kind::pending_switch: return "pending_switch";
+    case SlackEvent::Kind::beyond_slack: return "beyond_slack";
+  }
+  return "unknown";
+}
 
 std::string_view slack_event_name(SlackEvent::Kind kind) noexcept {
   switch (kind) {

@@ -694,10 +694,10 @@ void DefragEngine::raise_slack_to(SlackEvent::Kind why, double slack) noexcept {
 // The counters say how often; the order and the figures at each moment (time, slack before and
 // after, live bytes, their peak, reserved bytes) say why. Sessions 25 and 27 each rebuilt the
 // policy with prints to see them (vit_ckpt replayed at 1.142x its live peak because a raise
-// granted at a live peak of 2,150 MiB held while the peak rose to 2,796 MiB). So the policy keeps them:
-// the first kSlackHistoryLength events (a job's decisive moments come early; later ones are only
-// counted), at most 28 KiB, appended on these rare paths only. cachealloc-replay --explain
-// prints them.
+// granted at a live peak of 2,150 MiB held while the peak rose to 2,796 MiB). So the policy
+// keeps them: the first kSlackHistoryLength events (a job's decisive moments come early; later
+// ones are only counted), 32 KiB at most, appended on these rare paths only.
+// cachealloc-replay --explain prints them.
 void DefragEngine::note_slack_event(SlackEvent::Kind kind, double before, double after,
                                     std::uint64_t pages) noexcept {
   if (history_.size() >= kSlackHistoryLength) {

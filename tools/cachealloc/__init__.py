@@ -61,6 +61,7 @@ __all__ = [
     "reset_accumulated_memory_stats",
     "dump_snapshot",
     "policies",
+    "policy_report",
     "policy_name",
     "validate_config",
     "check_invariants",
@@ -484,6 +485,23 @@ def policies() -> list[dict[str, Any]]:
 
     lib = _lib.load()
     return list(_lib.read_json(lib.cachealloc_policies_json))
+
+
+def policy_report(device: DeviceLike = None) -> dict[str, Any]:
+    """What the policy of ``device`` can tell about its decisions. Policy defrag gives
+    ``slack_history``: the first 512 changes of its slack and growths beyond it, in order, each
+    ``{"event": "count_raise" | "time_raise" | "return_raise" | "returned" | "pending_switch" |
+    "beyond_slack", "time_ns", "slack_before", "slack_after", "live_bytes", "peak_live_bytes",
+    "reserved_bytes", "pages"}`` (why the job holds what it holds beyond its live peak), and
+    ``slack_history_dropped``. Other policies, and a device not used yet: ``{}``. Needs the
+    pluggable allocator (``enable()``); raises RuntimeError with the LibTorch adapter or when
+    cachealloc is not enabled."""
+    if not is_enabled() or _full:
+        raise RuntimeError("cachealloc.policy_report() needs cachealloc enabled as PyTorch's pluggable "
+                           "allocator (cachealloc.enable() without the LibTorch adapter)")
+    from . import _lib
+
+    return dict(_lib.read_json(_lib.load().cachealloc_policy_report_json, _device_index(device)))
 
 
 def policy_name() -> str:

@@ -133,6 +133,7 @@ _PLUGIN_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "cachealloc_base_alloc": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]),
     "cachealloc_memory_stats_json": (ctypes.c_int64, [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]),
     "cachealloc_policies_json": (ctypes.c_int64, [ctypes.c_char_p, ctypes.c_size_t]),
+    "cachealloc_policy_report_json": (ctypes.c_int64, [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]),
     "cachealloc_reset_peak": (ctypes.c_int, [ctypes.c_int]),
     "cachealloc_reset_accumulated": (ctypes.c_int, [ctypes.c_int]),
     "cachealloc_empty_cache": (ctypes.c_int, [ctypes.c_int]),

@@ -326,6 +326,54 @@ def test_capi_allocates_frees_and_reports_on_simulated_device():
         assert "usage" in r.stderr or "double free" in r.stderr  # the ignored free was logged
 
 
+_REPORT_SCRIPT = r"""
+import json, sys
+from cachealloc import _lib
+lib = _lib.load()
+MiB = 1 << 20
+assert _lib.read_json(lib.cachealloc_policy_report_json, 0) == {}   # no allocator yet
+lib.cachealloc_init(1)
+# Blocks of 3 MiB + 512 B held one after another, with no slack: most growths end on a page the
+# next block shares, so they create a page beyond the slack (Note [A history of the slack]).
+ptrs = [lib.cachealloc_alloc(3 * MiB + 512, 0, None) for _ in range(40)]
+assert all(ptrs), _lib.last_error()
+print("REPORT", json.dumps(_lib.read_json(lib.cachealloc_policy_report_json, 0)))
+print("STATS", json.dumps(_lib.read_json(lib.cachealloc_memory_stats_json, 0)))
+for p in ptrs:
+    lib.cachealloc_free(p, 0, 0, None)
+"""
+
+
+def test_capi_policy_report_gives_defrag_slack_history():
+    """cachealloc_policy_report_json (cachealloc.policy_report()): policy defrag's slack history
+    on the simulated device agrees with its counters in memory_stats; size_class reports {}."""
+    capi = _need_capi()
+    with tempfile.TemporaryDirectory() as d:
+        script = Path(d) / "report.py"
+        script.write_text(_REPORT_SCRIPT)
+        for conf in ("policy:defrag,grow_slack:0,max_grow_slack:0", "policy:size_class"):
+            env = {"CACHEALLOC_LIBRARY": capi, "CACHEALLOC_PLUGIN_BACKEND": "sim",
+                   "CACHEALLOC_PLUGIN_SIM_CAPACITY_MB": "1024", "CACHEALLOC_CONF": conf, "CACHEALLOC_AUTOLOAD": "0"}
+            r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                               env={**os.environ, **env, "PYTHONPATH": str(TOOLS)})
+            assert r.returncode == 0, r.stdout + r.stderr
+            out = dict(line.split(" ", 1) for line in r.stdout.splitlines())
+            report, stats = json.loads(out["REPORT"]), json.loads(out["STATS"])
+            if conf == "policy:size_class":
+                assert report == {}, report
+                continue
+            events = report["slack_history"]
+            assert report["slack_history_dropped"] == 0
+            beyond = [e for e in events if e["event"] == "beyond_slack"]
+            assert len(beyond) == stats["defrag.beyond_slack_growths"] > 0, (events, stats)
+            assert sum(e["pages"] for e in beyond) == stats["defrag.beyond_slack_pages"]
+            times = [e["time_ns"] for e in events]
+            assert times == sorted(times)
+            for e in events:
+                assert e["slack_before"] == e["slack_after"] == 0.0
+                assert e["peak_live_bytes"] >= e["live_bytes"]
+
+
 def test_recording_is_a_pytorch_snapshot():
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -442,6 +490,35 @@ def test_validation_replay_table_lists_every_policy_and_says_where_defrag_misses
     bad = subprocess.run([sys.executable, str(script), "--replay", str(tmp_path / "missing"), str(trace)],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "is not an executable" in bad.stderr
+
+
+def test_replay_explain_prints_defrag_slack_history(tmp_path):
+    """cachealloc-replay --explain: for defrag, a line per moment that decided what it holds
+    (here the shared two-stream trace with the GPU 5 ms behind: growths beyond the slack and the
+    switch to moving pending), the same events in --json's slack_history; none for size_class."""
+    trace = REPO / "tests" / "data" / "traces" / "mlp_two_streams.pickle.xz"
+    found = built_replay(trace, trace)
+    out = tmp_path / "r.json"
+    r = subprocess.run([found[0], str(trace), "-q", "-p", "defrag", "-p", "size_class", "--gpu-lag-us", "5000",
+                        "--explain", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    head = [i for i, line in enumerate(lines) if line.startswith("  defrag, the moments that decided what it holds")]
+    assert len(head) == 1, r.stdout
+    body = []
+    for line in lines[head[0] + 1:]:
+        if not line.startswith("    "):
+            break
+        body.append(line)
+    policies = {p["name"]: p for p in json.loads(out.read_text())["policies"]}
+    history = policies["defrag"]["slack_history"]
+    assert len(body) == len(history) > 0
+    assert "slack_history" not in policies["size_class"]
+    assert any("switched to moving pending" in line for line in body), body
+    beyond = [e for e in history if e["event"] == "beyond_slack"]
+    assert {e["label"] for e in beyond} == {"pages created beyond the slack"}
+    assert beyond and all(e["pages"] > 0 for e in beyond)
+    assert [e["time_s"] for e in history] == sorted(e["time_s"] for e in history)
 
 
 def test_devset_compares_defrag_variants_against_expandable(tmp_path):
@@ -565,6 +642,30 @@ def test_e2e_report_shows_how_allocator_time_spreads_over_steps(tmp_path):
     # The steps without a device call (three of four here: 100, 120, 100 µs) over the 10 ms median step.
     assert ("steps without a device call: 3 of 4 measured steps; the allocator spent 100.0 µs in each "
             "(1.00% of the median step; per run 1.00%)") in md, md
+
+
+def test_e2e_report_shows_defrag_slack_path(tmp_path):
+    """--report-from: policy defrag's slack over each run, from the history cachealloc.
+    policy_report() gives (Note [A history of the slack]): each change with its time, the new
+    slack, why, and the live peak then; the growths beyond the slack summed."""
+    MiB = 1 << 20
+
+    def ev(kind, t, a, b, peak, pages=0):
+        return {"event": kind, "time_ns": int(t * 1e9), "slack_before": a, "slack_after": b,
+                "live_bytes": peak // 2, "peak_live_bytes": peak, "reserved_bytes": peak, "pages": pages}
+
+    history = [ev("beyond_slack", 1.0, 0.01, 0.01, 100 * MiB, 3), ev("count_raise", 1.5, 0.01, 0.02, 200 * MiB),
+               ev("time_raise", 2.0, 0.02, 0.08, 1500 * MiB), ev("returned", 4.25, 0.08, 0.02, 2100 * MiB),
+               ev("pending_switch", 5.0, 0.02, 0.02, 2100 * MiB), ev("beyond_slack", 6.0, 0.02, 0.02, 2100 * MiB, 5)]
+    run = {"workload": "pipeline", "config": "cachealloc:defrag", "rep": 0, "steps": 4, "warmup": 1, "ok": True,
+           "median_step_s": 0.01, "peak_bytes": 3 << 30, "allocator_ns_per_step": 100_000.0,
+           "allocator_pct_of_step": 1.0, "defrag_slack_history": history}
+    md = _e2e_report(tmp_path, [run], [1, 4])
+    assert ("- cachealloc:defrag, its slack over each run's whole life (seconds after its first change or growth "
+            "beyond it: the new slack, why, and the peak of live bytes then, MiB): run 1: "
+            "0.50 s 0.02 (dense moves, peak 200); 1.00 s 0.08 (on time, peak 1,500); "
+            "3.25 s 0.02 (undone, peak 2,100); 4.00 s slack unchanged (switched to moving pending, peak 2,100); "
+            "2 growths beyond the slack, 8 pages, the last at 5.00 s") in md, md
 
 
 def test_e2e_report_splits_long_runs_in_thirds(tmp_path):

@@ -126,6 +126,27 @@ def test_empty_cache_lowers_reserved():
     assert before >= 512 << 20 and after < before
 
 
+def test_policy_report_gives_defrag_slack_history_on_the_gpu():
+    """cachealloc.policy_report() on cuda_vmm: defrag's slack history, in step with its counters
+    (Note [A history of the slack]); size_class reports {}."""
+    lib = need_plugin_gpu()
+    body = (
+        "xs = [torch.empty((3 << 20) + 512, dtype=torch.uint8, device='cuda') for _ in range(40)]\n"
+        "print('REPORT', json.dumps(cachealloc.policy_report()))\n"
+        "print('STATS', json.dumps(cachealloc.memory_stats()))\n"
+    )
+    r = run_python(_enabled("policy:defrag,grow_slack:0,max_grow_slack:0", body), CACHEALLOC_LIBRARY=lib)
+    assert r.returncode == 0, r.stdout + r.stderr
+    report, stats = _last_json(r.stdout, "REPORT "), _last_json(r.stdout, "STATS ")
+    beyond = [e for e in report["slack_history"] if e["event"] == "beyond_slack"]
+    assert len(beyond) == stats["defrag.beyond_slack_growths"] > 0, (report, stats)
+    assert [e["time_ns"] for e in report["slack_history"]] == sorted(e["time_ns"] for e in report["slack_history"])
+    body = "x = torch.empty(1 << 20, device='cuda')\nprint('REPORT', json.dumps(cachealloc.policy_report()))\n"
+    r = run_python(_enabled("policy:size_class", body), CACHEALLOC_LIBRARY=lib)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert _last_json(r.stdout, "REPORT ") == {}
+
+
 def test_record_stream_defers_reuse_until_the_stream_is_done():
     lib = need_plugin_gpu()
     body = (

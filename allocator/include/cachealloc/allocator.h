@@ -123,6 +123,7 @@
 
 #include <algorithm>
 #include <array>
+#include <concepts>
 #include <cstddef>
 #include <exception>
 #include <functional>
@@ -178,6 +179,10 @@ class DeviceAllocator {
   /// Number of frees parked waiting for other streams.
   [[nodiscard]] virtual std::size_t pending_frees() const = 0;
   virtual void set_observer(AllocatorObserver observer) = 0;
+
+  /// What the policy can tell about its decisions, as a JSON object ("{}" when nothing): policy
+  /// defrag gives its slack's history (Note [A history of the slack]).
+  [[nodiscard]] virtual std::string policy_report_json() const { return "{}"; }
 
   [[nodiscard]] virtual std::string_view policy_name() const noexcept = 0;
   [[nodiscard]] virtual DeviceBackend& backend() noexcept = 0;
@@ -495,6 +500,18 @@ class CachingAllocator final : public DeviceAllocator {
       policy_.visit_segments([&](const SegmentView& s) { out.push_back(s); });
     }
     return out;
+  }
+
+  [[nodiscard]] std::string policy_report_json() const override {
+    if constexpr (requires(const P& p) {
+                    { p.report_json() } -> std::convertible_to<std::string>;
+                  }) {
+      std::lock_guard lock(mutex_);
+      const_cast<CachingAllocator*>(this)->memo_sync();  // the policy as if it served every call
+      return policy_.report_json();
+    } else {
+      return "{}";
+    }
   }
 
   [[nodiscard]] std::size_t pending_frees() const override {

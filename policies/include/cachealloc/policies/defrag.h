@@ -222,6 +222,9 @@ struct SlackEvent {
 inline constexpr std::size_t kSlackHistoryLength = 512;
 /// The name of a SlackEvent kind, as cachealloc-replay --explain prints it.
 [[nodiscard]] std::string_view slack_event_name(SlackEvent::Kind kind) noexcept;
+/// Its identifier in JSON ("count_raise", "time_raise", "return_raise", "returned",
+/// "pending_switch", "beyond_slack"): DefragPolicy::report_json(), cachealloc-replay --json.
+[[nodiscard]] std::string_view slack_event_id(SlackEvent::Kind kind) noexcept;
 
 /// Where the physical memory held goes (DefragPolicy::breakdown(), O(ranges)).
 struct DefragBreakdown {
@@ -290,6 +293,9 @@ class DefragPolicy {
   /// many came after them (Note [A history of the slack], defrag_grow.cpp).
   [[nodiscard]] const std::vector<SlackEvent>& slack_history() const noexcept;
   [[nodiscard]] std::uint64_t slack_events_dropped() const noexcept;
+  /// {"slack_history": [{"event": "time_raise", "time_ns": ..., "slack_before": ..., ...}, ...],
+  /// "slack_history_dropped": n}: the front end's policy_report_json().
+  [[nodiscard]] std::string report_json() const;
 
   /// Parses the keys of config_keys() from `config` (marking them used).
   static DefragSettings parse_settings(Config& config);
