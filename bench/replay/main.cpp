@@ -56,7 +56,8 @@ void print_history(const replay::PolicyResult& r) {
                             ? static_cast<double>(e.reserved_bytes) / static_cast<double>(e.peak_live_bytes)
                             : 0.0;
     std::printf("    %9.3f s  %-36s %-20s %s / %s / %s (%.3fx)\n", e.time_s, e.what.c_str(), change,
-                mib(e.live_bytes).c_str(), mib(e.peak_live_bytes).c_str(), mib(e.reserved_bytes).c_str(), over);
+                mib(e.live_bytes).c_str(), mib(e.peak_live_bytes).c_str(), mib(e.reserved_bytes).c_str(),
+                over);
   }
   if (r.history_dropped != 0) {
     std::printf("    ... and %llu later events (the policy keeps the first %zu)\n",
@@ -438,7 +439,8 @@ int main(int argc, char** argv) {
             for (const replay::HistoryEvent& e : r.history) {
               p["slack_history"].push_back({{"event", e.id}, {"label", e.what}, {"time_s", e.time_s},
                                             {"slack_before", e.slack_before}, {"slack_after", e.slack_after},
-                                            {"live_bytes", e.live_bytes}, {"peak_live_bytes", e.peak_live_bytes},
+                                            {"live_bytes", e.live_bytes},
+                                            {"peak_live_bytes", e.peak_live_bytes},
                                             {"reserved_bytes", e.reserved_bytes}, {"pages", e.pages}});
             }
             p["slack_history_dropped"] = r.history_dropped;

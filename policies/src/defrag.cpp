@@ -806,22 +806,28 @@ std::size_t DefragPolicy::release_cached() { return engine_->release_cached(); }
 std::size_t DefragPolicy::reserved_bytes() const noexcept { return engine_->reserved_bytes(); }
 void DefragPolicy::check_invariants() const { engine_->check_invariants(); }
 DefragCounters DefragPolicy::counters() const noexcept { return engine_->counters(); }
-const std::vector<SlackEvent>& DefragPolicy::slack_history() const noexcept { return engine_->slack_history(); }
-std::uint64_t DefragPolicy::slack_events_dropped() const noexcept { return engine_->slack_events_dropped(); }
+const std::vector<SlackEvent>& DefragPolicy::slack_history() const noexcept {
+  return engine_->slack_history();
+}
+std::uint64_t DefragPolicy::slack_events_dropped() const noexcept {
+  return engine_->slack_events_dropped();
+}
 
 std::string DefragPolicy::report_json() const {
   std::string json = "{\"slack_history\": [";
   bool first = true;
   for (const SlackEvent& e : slack_history()) {
     const std::string_view id = slack_event_id(e.kind);
+    using ull = unsigned long long;
     char line[320];
     std::snprintf(line, sizeof line,
-                  "%s{\"event\": \"%.*s\", \"time_ns\": %llu, \"slack_before\": %.9g, \"slack_after\": %.9g, "
-                  "\"live_bytes\": %llu, \"peak_live_bytes\": %llu, \"reserved_bytes\": %llu, \"pages\": %llu}",
-                  first ? "" : ", ", static_cast<int>(id.size()), id.data(),
-                  static_cast<unsigned long long>(e.time_ns), e.slack_before, e.slack_after,
-                  static_cast<unsigned long long>(e.live_bytes), static_cast<unsigned long long>(e.peak_live_bytes),
-                  static_cast<unsigned long long>(e.reserved_bytes), static_cast<unsigned long long>(e.pages));
+                  "%s{\"event\": \"%.*s\", \"time_ns\": %llu, \"slack_before\": %.9g, "
+                  "\"slack_after\": %.9g, \"live_bytes\": %llu, \"peak_live_bytes\": %llu, "
+                  "\"reserved_bytes\": %llu, \"pages\": %llu}",
+                  first ? "" : ", ", static_cast<int>(id.size()), id.data(), static_cast<ull>(e.time_ns),
+                  e.slack_before, e.slack_after, static_cast<ull>(e.live_bytes),
+                  static_cast<ull>(e.peak_live_bytes), static_cast<ull>(e.reserved_bytes),
+                  static_cast<ull>(e.pages));
     json += line;
     first = false;
   }

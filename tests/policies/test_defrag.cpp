@@ -1674,11 +1674,22 @@ void check_history(CachingAllocator<DefragPolicy>& a) {
     CHECK(e.slack_before == slack);
     CHECK(e.peak_live_bytes >= e.live_bytes);
     switch (e.kind) {
-      case SlackEvent::Kind::count_raise: ++raises; CHECK(e.slack_after > e.slack_before); break;
-      case SlackEvent::Kind::time_raise: ++raises; ++on_time; CHECK(e.slack_after > e.slack_before); break;
-      case SlackEvent::Kind::return_raise: ++raises; ++returns_kept; CHECK(e.slack_after > e.slack_before); break;
-      case SlackEvent::Kind::returned: ++undone; CHECK(e.slack_after < e.slack_before); break;
-      case SlackEvent::Kind::pending_switch: ++switches; CHECK(e.slack_after == e.slack_before); break;
+      case SlackEvent::Kind::count_raise:
+      case SlackEvent::Kind::time_raise:
+      case SlackEvent::Kind::return_raise:
+        ++raises;
+        on_time += e.kind == SlackEvent::Kind::time_raise ? 1 : 0;
+        returns_kept += e.kind == SlackEvent::Kind::return_raise ? 1 : 0;
+        CHECK(e.slack_after > e.slack_before);
+        break;
+      case SlackEvent::Kind::returned:
+        ++undone;
+        CHECK(e.slack_after < e.slack_before);
+        break;
+      case SlackEvent::Kind::pending_switch:
+        ++switches;
+        CHECK(e.slack_after == e.slack_before);
+        break;
       case SlackEvent::Kind::beyond_slack:
         ++beyond;
         beyond_pages += e.pages;

@@ -207,15 +207,18 @@ struct SlackEvent {
     return_raise,    ///< pages kept where they came back to (Note [Pages that come back])
     returned,        ///< a raise on time undone after quiet (Note [A raise that comes back])
     pending_switch,  ///< waits put moves over the budget (Note [Waits that switch to moving pending])
-    beyond_slack,    ///< a growth created pages beyond the slack (Note [Why pages were created beyond the slack])
+    /// a growth created pages beyond the slack (Note [Why pages were created beyond the slack])
+    beyond_slack,
   };
   Kind kind = Kind::count_raise;
-  std::uint64_t time_ns = 0;  ///< the backend's clock (in replays the trace's own, plus modelled call costs)
+  /// On the backend's clock (in replays: the trace's own times plus the modelled device calls).
+  std::uint64_t time_ns = 0;
   double slack_before = 0.0;
   double slack_after = 0.0;
   std::uint64_t live_bytes = 0;       ///< at the event
   std::uint64_t peak_live_bytes = 0;  ///< the peak of live bytes so far (the slack's base)
-  std::uint64_t reserved_bytes = 0;   ///< mapped pages at the event (before a beyond_slack growth's)
+  /// Bytes of physical pages held at the event (for beyond_slack: before the growth creates them).
+  std::uint64_t reserved_bytes = 0;
   std::uint64_t pages = 0;            ///< beyond_slack: the pages created beyond the slack
 };
 /// How many SlackEvents the policy keeps; later ones are only counted.
