@@ -30,6 +30,17 @@ point there is only that the Python runs.
                  sequence length from five buckets per step
   cudagraph_mlp  training: an MLP compiled with mode="reduce-overhead" (CUDA graph trees), fixed
                  shapes, so most steps replay graphs from a private memory pool
+
+Added in session 28, written before any policy was replayed on them, because the set above has no
+job with more than one stream (the policies' only multi-stream evidence was the e2e pipeline and the
+shared mlp_two_streams trace, both developed against):
+
+  offload_train  training: activations offloaded to pinned host memory on a copy stream in forward
+                 and copied back on it in backward (record_stream both ways)
+  comm_overlap   training: gradients reduced bucket by bucket on a communication stream while
+                 backward runs (cat + scale for an all-reduce), copied back on the main stream
+  stream_weights inference: weights kept in pinned host memory, each layer's copied in on a copy
+                 stream while the layer before it computes
 """
 
 from __future__ import annotations
@@ -45,11 +56,12 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 WORKLOADS = ("llm_generate", "llm_serve", "moe_train", "unet_train", "vit_ckpt", "lstm_lm", "compiled_gpt",
-             "cudagraph_mlp")
+             "cudagraph_mlp", "offload_train", "comm_overlap", "stream_weights")
 
 # steps (requests, for the inference workloads) recorded per workload
 DEFAULT_STEPS = {"llm_generate": 8, "llm_serve": 6, "moe_train": 24, "unet_train": 20, "vit_ckpt": 12,
-                 "lstm_lm": 24, "compiled_gpt": 16, "cudagraph_mlp": 24}
+                 "lstm_lm": 24, "compiled_gpt": 16, "cudagraph_mlp": 24,
+                 "offload_train": 16, "comm_overlap": 16, "stream_weights": 12}
 
 
 @dataclass
@@ -517,9 +529,216 @@ def build_cudagraph_mlp(device: torch.device, seed: int, scale: str = "full") ->
                     f"mode=\"reduce-overhead\" (CUDA graph trees), batch {batch} fixed, AdamW, bf16 autocast", step)
 
 
+# ---- several streams (added in session 28) ----------------------------------------------------
+#
+# The policies were developed on two multi-stream jobs only (the e2e pipeline and the shared
+# mlp_two_streams trace): a side stream producing what the main stream consumes. These three hand
+# memory between streams in the other ways real jobs do, each with record_stream as PyTorch asks
+# for: activations copied out and back on a copy stream, gradients reduced bucket by bucket on a
+# communication stream, and weights streamed in layer by layer ahead of the compute.
+
+class _MLPBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+def build_offload_train(device: torch.device, seed: int, scale: str = "full") -> Workload:
+    torch.manual_seed(seed)
+    if scale == "tiny":
+        d, layers, batches, lengths = 32, 2, (1, 4), (8, 32)
+    else:
+        d, layers, batches, lengths = 2048, 8, (4, 16), (256, 1024)
+    blocks = nn.Sequential(*(_MLPBlock(d) for _ in range(layers))).to(device)
+    opt = torch.optim.AdamW(blocks.parameters(), lr=1e-4, fused=device.type == "cuda")
+    rng = random.Random(seed)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    cuda = device.type == "cuda"
+    copy = torch.cuda.Stream(device) if cuda else None
+    params = {p.data_ptr() for p in blocks.parameters()}
+
+    def pack(t: torch.Tensor):
+        """Saved for backward: activations of 1 MiB or more go to pinned host memory on the copy
+        stream; the device copy is freed as soon as the copy stream is done with it."""
+        if not cuda or t.data_ptr() in params or t.numel() * t.element_size() < (1 << 20):
+            return t
+        main = torch.cuda.current_stream(device)
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        copy.wait_stream(main)
+        with torch.cuda.stream(copy):
+            host.copy_(t, non_blocking=True)
+        t.record_stream(copy)
+        return host
+
+    def unpack(saved: torch.Tensor) -> torch.Tensor:
+        """Back for backward: copied in on the copy stream (allocated there), used on main."""
+        if not cuda or saved.device.type == device.type:
+            return saved
+        main = torch.cuda.current_stream(device)
+        with torch.cuda.stream(copy):
+            t = saved.to(device, non_blocking=True)
+        main.wait_stream(copy)
+        t.record_stream(main)
+        return t
+
+    def step(_i: int) -> None:
+        b, t = rng.randint(*batches), rng.randint(*lengths)
+        x = torch.randn(b, t, d, device=device, generator=gen)
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack), _autocast(device):
+            loss = blocks(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    n = sum(p.numel() for p in blocks.parameters())
+    return Workload("offload_train", f"{layers} MLP blocks d={d} ({n / 1e6:.0f}M params), batch {batches[0]}-"
+                    f"{batches[1]} x seq {lengths[0]}-{lengths[1]} random, bf16 autocast; activations of 1 MiB or "
+                    "more offloaded to pinned host memory on a copy stream in forward and copied back on it in "
+                    "backward (record_stream both ways), AdamW", step)
+
+
+def build_comm_overlap(device: torch.device, seed: int, scale: str = "full") -> Workload:
+    torch.manual_seed(seed)
+    if scale == "tiny":
+        vocab, d, layers, heads, batches, lengths, bucket_mb = 256, 32, 2, 4, (1, 4), (8, 32), 0.01
+    else:
+        vocab, d, layers, heads, batches, lengths, bucket_mb = 32000, 1024, 12, 16, (4, 24), (128, 1024), 25
+    model = _Decoder(vocab, d, layers, heads).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    rng = random.Random(seed)
+    cuda = device.type == "cuda"
+    comm = torch.cuda.Stream(device) if cuda else None
+    # buckets of about bucket_mb MiB of parameters, in the order backward produces their grads
+    buckets: list[list[nn.Parameter]] = [[]]
+    size = 0
+    for p in reversed(list(model.parameters())):
+        if size >= bucket_mb * (1 << 20):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += p.numel() * p.element_size()
+    bucket_of = {id(p): i for i, bucket in enumerate(buckets) for p in bucket}
+    ready = [0] * len(buckets)
+    reduced: list[Optional[torch.Tensor]] = [None] * len(buckets)
+
+    def reduce(i: int) -> None:
+        """A stand-in for an all-reduce: the bucket's grads flattened on the comm stream, scaled."""
+        grads = [p.grad for p in buckets[i]]
+        if cuda:
+            main = torch.cuda.current_stream(device)
+            comm.wait_stream(main)
+            with torch.cuda.stream(comm):
+                flat = torch.cat([g.reshape(-1) for g in grads]).mul_(0.5)
+            for g in grads:
+                g.record_stream(comm)
+        else:
+            flat = torch.cat([g.reshape(-1) for g in grads]).mul_(0.5)
+        reduced[i] = flat
+
+    def on_grad(p: nn.Parameter) -> None:
+        i = bucket_of[id(p)]
+        ready[i] += 1
+        if ready[i] == len(buckets[i]):
+            reduce(i)
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(on_grad)
+
+    def step(_i: int) -> None:
+        b, t = rng.randint(*batches), rng.randint(*lengths)
+        idx = torch.randint(0, vocab, (b, t + 1), device=device)
+        ready[:] = [0] * len(buckets)
+        with _autocast(device):
+            x = model.embed(idx[:, :-1])
+            for layer in model.layers:
+                q, k, v = layer.qkv_heads(x)
+                x = layer.finish(x, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+            loss = F.cross_entropy(model.head(model.norm(x)).float().view(-1, vocab), idx[:, 1:].reshape(-1))
+        loss.backward()
+        if cuda:
+            torch.cuda.current_stream(device).wait_stream(comm)
+        for i, bucket in enumerate(buckets):  # the reduced grads copied back on the main stream
+            flat = reduced[i]
+            if cuda:
+                flat.record_stream(torch.cuda.current_stream(device))
+            offset = 0
+            for p in bucket:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+            reduced[i] = None
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    n = sum(p.numel() for p in model.parameters())
+    return Workload("comm_overlap", f"decoder {layers} layers d={d} ({n / 1e6:.0f}M params) training, batch "
+                    f"{batches[0]}-{batches[1]} x seq {lengths[0]}-{lengths[1]} random, bf16 autocast; gradients "
+                    f"reduced in {len(buckets)} buckets of ~{bucket_mb} MiB on a communication stream during backward "
+                    "(cat + scale standing in for an all-reduce), copied back on the main stream, AdamW", step)
+
+
+def build_stream_weights(device: torch.device, seed: int, scale: str = "full") -> Workload:
+    torch.manual_seed(seed)
+    if scale == "tiny":
+        d, layers, heads, batches, lengths = 32, 2, 4, (1, 3), (4, 16)
+    else:
+        d, layers, heads, batches, lengths = 4096, 8, 32, (1, 32), (128, 2048)
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    # the weights live in (pinned) host memory and come to the device one layer ahead of the compute
+    # (one layer's worth of random numbers, copied for the others: drawing 1.6 G of them on the
+    # host would take longer than the recording; the values do not change what is allocated)
+    first = [torch.randn(rows, cols, dtype=dtype) / math.sqrt(cols)
+             for rows, cols in ((3 * d, d), (d, d), (4 * d, d), (d, 4 * d))]
+    host = [[w.pin_memory() if cuda else w.clone() for w in first] for _ in range(layers)]
+    copy = torch.cuda.Stream(device) if cuda else None
+    rng = random.Random(seed)
+    hd = d // heads
+
+    def fetch(j: int) -> list[torch.Tensor]:
+        if not cuda:
+            return [w.to(device) for w in host[j]]
+        with torch.cuda.stream(copy):
+            return [w.to(device, non_blocking=True) for w in host[j]]
+
+    @torch.inference_mode()
+    def step(_i: int) -> None:
+        b, t = rng.randint(*batches), rng.randint(*lengths)
+        x = torch.randn(b, t, d, device=device, dtype=dtype)
+        ahead = fetch(0)
+        for j in range(layers):
+            weights = ahead
+            if cuda:
+                main = torch.cuda.current_stream(device)
+                main.wait_stream(copy)
+                for w in weights:
+                    w.record_stream(main)
+            ahead = fetch(j + 1) if j + 1 < layers else None  # overlaps with this layer's compute
+            wqkv, wo, wup, wdown = weights
+            q, k, v = F.linear(F.rms_norm(x, (d,)), wqkv).view(b, t, 3, heads, hd).permute(2, 0, 3, 1, 4)
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + F.linear(attn.transpose(1, 2).reshape(b, t, d), wo)
+            x = x + F.linear(F.gelu(F.linear(F.rms_norm(x, (d,)), wup)), wdown)
+            del weights, wqkv, wo, wup, wdown, q, k, v, attn
+        del x
+
+    per_layer = 12 * d * d * first[0].element_size()
+    return Workload("stream_weights", f"decoder {layers} layers d={d} ({per_layer / 2**20:.0f} MiB of weights per "
+                    f"layer, {str(dtype).removeprefix('torch.')}) whose weights stay in pinned host memory and are copied in one layer ahead on a "
+                    f"copy stream (record_stream to the compute), prefill of batch {batches[0]}-{batches[1]} x "
+                    f"{lengths[0]}-{lengths[1]} tokens random", step)
+
+
 BUILDERS = {"llm_generate": build_llm_generate, "llm_serve": build_llm_serve, "moe_train": build_moe_train,
             "unet_train": build_unet_train, "vit_ckpt": build_vit_ckpt, "lstm_lm": build_lstm_lm,
-            "compiled_gpt": build_compiled_gpt, "cudagraph_mlp": build_cudagraph_mlp}
+            "compiled_gpt": build_compiled_gpt, "cudagraph_mlp": build_cudagraph_mlp,
+            "offload_train": build_offload_train, "comm_overlap": build_comm_overlap,
+            "stream_weights": build_stream_weights}
 
 
 def build(name: str, device: torch.device, seed: int, scale: str = "full") -> Workload:

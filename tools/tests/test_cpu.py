@@ -447,7 +447,7 @@ def test_validation_workloads_run_on_cpu_at_tiny_scale():
     assert r.returncode == 0, r.stderr[-4000:]
     done = [line.split()[1] for line in r.stdout.splitlines() if line.startswith("ok ")]
     assert done == ["llm_generate", "llm_serve", "moe_train", "unet_train", "vit_ckpt", "lstm_lm",
-                    "compiled_gpt", "cudagraph_mlp"], r.stdout
+                    "compiled_gpt", "cudagraph_mlp", "offload_train", "comm_overlap", "stream_weights"], r.stdout
 
 
 def built_replay(script, trace) -> list[str]:
