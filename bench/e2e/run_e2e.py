@@ -127,7 +127,7 @@ Steps (Note [Steps and warm-up]): defaults per workload, --steps/--warmup N over
             over steps 5-64 (bench/results/defrag_session21_2026-12-04.md). 60 cost ~0.5 s a run.
   The held-out workloads of bench/validation/workloads.py run too when named in --workloads
   (never by default): llm_generate, llm_serve, moe_train, unet_train, vit_ckpt, lstm_lm,
-  compiled_gpt, cudagraph_mlp, with the warm-up and measured steps of VALIDATION_STEPS (a step of
+  compiled_gpt, cudagraph_mlp, offload_train, comm_overlap, stream_weights, with the warm-up and measured steps of VALIDATION_STEPS (a step of
   the inference workloads is one request or batch: seconds; compiled_gpt's warm-up compiles).
 
 --time-budget-s B: after the first round the harness prints the estimate for all --reps rounds;
@@ -173,7 +173,8 @@ STEP_DEFAULTS = {"gpt2": (3, 8), "resnet50": (4, 20), "pipeline": (4, 60)}  # (w
 # bench/validation/workloads.py: held-out jobs, run only when named (Note [Steps and warm-up])
 VALIDATION_DIR = REPO / "bench" / "validation"
 VALIDATION_STEPS = {"llm_generate": (1, 5), "llm_serve": (1, 4), "moe_train": (4, 16), "unet_train": (4, 12),
-                    "vit_ckpt": (2, 8), "lstm_lm": (4, 16), "compiled_gpt": (6, 10), "cudagraph_mlp": (6, 16)}
+                    "vit_ckpt": (2, 8), "lstm_lm": (4, 16), "compiled_gpt": (6, 10), "cudagraph_mlp": (6, 16),
+                    "offload_train": (3, 10), "comm_overlap": (3, 10), "stream_weights": (2, 8)}
 STEP_DEFAULTS.update(VALIDATION_STEPS)
 BUILTIN_CONFIGS = {
     "native": {},
