@@ -162,11 +162,13 @@ TEST_CASE("replay: the held-out validation recordings replay on every policy wit
   // model (one pool per stream) places a 16 KiB block captured into a graph in a default-pool
   // segment, where the recorded run made a new 2 MiB one (event 205).
   // recordings_b: the same workloads with seed 1, recorded after the change of session 16
-  // (compiled_gpt missing there).
+  // (compiled_gpt missing there). offload_train, comm_overlap, stream_weights: three jobs that
+  // hand memory between streams (record_stream), recorded in session 28 with both seeds.
   const std::string policy = GENERATE(from_range(cachealloc::test::policy_names()));
   const std::string set = GENERATE(as<std::string>{}, "recordings", "recordings_b");
   for (const char* name : {"llm_generate", "llm_serve", "moe_train", "unet_train", "vit_ckpt",
-                           "lstm_lm", "compiled_gpt", "cudagraph_mlp"}) {
+                           "lstm_lm", "compiled_gpt", "cudagraph_mlp", "offload_train", "comm_overlap",
+                           "stream_weights"}) {
     if (set == "recordings_b" && std::string_view(name) == "compiled_gpt") {
       continue;
     }
