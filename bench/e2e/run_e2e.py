@@ -127,8 +127,9 @@ Steps (Note [Steps and warm-up]): defaults per workload, --steps/--warmup N over
             over steps 5-64 (bench/results/defrag_session21_2026-12-04.md). 60 cost ~0.5 s a run.
   The held-out workloads of bench/validation/workloads.py run too when named in --workloads
   (never by default): llm_generate, llm_serve, moe_train, unet_train, vit_ckpt, lstm_lm,
-  compiled_gpt, cudagraph_mlp, offload_train, comm_overlap, stream_weights, with the warm-up and measured steps of VALIDATION_STEPS (a step of
-  the inference workloads is one request or batch: seconds; compiled_gpt's warm-up compiles).
+  compiled_gpt, cudagraph_mlp, offload_train, comm_overlap, stream_weights, with the warm-up and
+  measured steps of VALIDATION_STEPS (a step of the inference workloads is one request or batch:
+  seconds; compiled_gpt's warm-up compiles).
 
 --time-budget-s B: after the first round the harness prints the estimate for all --reps rounds;
 if it would end past B, it runs only the rounds that fit (--fit reps, the default: every run keeps

@@ -729,8 +729,9 @@ def build_stream_weights(device: torch.device, seed: int, scale: str = "full") -
 
     per_layer = 12 * d * d * first[0].element_size()
     return Workload("stream_weights", f"decoder {layers} layers d={d} ({per_layer / 2**20:.0f} MiB of weights per "
-                    f"layer, {str(dtype).removeprefix('torch.')}) whose weights stay in pinned host memory and are copied in one layer ahead on a "
-                    f"copy stream (record_stream to the compute), prefill of batch {batches[0]}-{batches[1]} x "
+                    f"layer, {str(dtype).removeprefix('torch.')}) whose weights stay in pinned host memory and are "
+                    f"copied in one layer ahead on a copy stream (record_stream to the compute), prefill of batch "
+                    f"{batches[0]}-{batches[1]} x "
                     f"{lengths[0]}-{lengths[1]} tokens random", step)
 
 

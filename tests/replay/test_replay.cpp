@@ -152,7 +152,7 @@ TEST_CASE("replay: the e2e recordings: native matches PyTorch's reservations, de
 
 TEST_CASE("replay: the held-out validation recordings replay on every policy with invariants "
           "intact", "[replay][validation]") {
-  // bench/validation/recordings: eight kinds of job recorded on an H200 that no policy was
+  // bench/validation/recordings: kinds of job recorded on an H200 that no policy was
   // developed against (inference with growing caches, serving, mixture of experts, a U-Net,
   // checkpointing, an LSTM, torch.compile with and without CUDA graphs). Their figures are
   // benchmarks (bench/validation/replay_table.py); here every policy must replay them without a
