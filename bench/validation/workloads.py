@@ -45,6 +45,7 @@ shared mlp_two_streams trace, both developed against):
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 from dataclasses import dataclass
@@ -631,15 +632,12 @@ def build_comm_overlap(device: torch.device, seed: int, scale: str = "full") -> 
         """A stand-in for an all-reduce: the bucket's grads flattened on the comm stream, scaled."""
         grads = [p.grad for p in buckets[i]]
         if cuda:
-            main = torch.cuda.current_stream(device)
-            comm.wait_stream(main)
-            with torch.cuda.stream(comm):
-                flat = torch.cat([g.reshape(-1) for g in grads]).mul_(0.5)
+            comm.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(comm) if cuda else contextlib.nullcontext():
+            reduced[i] = torch.cat([g.reshape(-1) for g in grads]).mul_(0.5)
+        if cuda:
             for g in grads:
                 g.record_stream(comm)
-        else:
-            flat = torch.cat([g.reshape(-1) for g in grads]).mul_(0.5)
-        reduced[i] = flat
 
     def on_grad(p: nn.Parameter) -> None:
         i = bucket_of[id(p)]
@@ -731,8 +729,7 @@ def build_stream_weights(device: torch.device, seed: int, scale: str = "full") -
     return Workload("stream_weights", f"decoder {layers} layers d={d} ({per_layer / 2**20:.0f} MiB of weights per "
                     f"layer, {str(dtype).removeprefix('torch.')}) whose weights stay in pinned host memory and are "
                     f"copied in one layer ahead on a copy stream (record_stream to the compute), prefill of batch "
-                    f"{batches[0]}-{batches[1]} x "
-                    f"{lengths[0]}-{lengths[1]} tokens random", step)
+                    f"{batches[0]}-{batches[1]} x {lengths[0]}-{lengths[1]} tokens random", step)
 
 
 BUILDERS = {"llm_generate": build_llm_generate, "llm_serve": build_llm_serve, "moe_train": build_moe_train,
