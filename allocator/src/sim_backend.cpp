@@ -399,7 +399,18 @@ EventId SimBackend::new_event(StreamId stream) {
   const EventId id = next_event_++;
   Event ev{stream, seq, false};
   if (options_.auto_complete_events && !held_.contains(stream)) {
-    if (options_.event_lag_ns == 0) {
+    if (options_.stream_lag) {
+      // Note [Each stream's own lag]: a lag that changes over time; a stream still finishes its
+      // work in order, so an event is never ready before the one recorded before it.
+      const std::uint64_t lag = options_.stream_lag(stream, clock_ns_).value_or(options_.event_lag_ns);
+      std::uint64_t& last = stream_ready_ns_[stream];
+      last = std::max(last, clock_ns_ + lag);
+      if (last <= clock_ns_) {
+        stream_completed_upto_[stream] = seq;
+      } else {
+        ev.ready_ns = last;
+      }
+    } else if (options_.event_lag_ns == 0) {
       stream_completed_upto_[stream] = seq;
     } else {
       ev.ready_ns = clock_ns_ + options_.event_lag_ns;

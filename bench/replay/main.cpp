@@ -95,6 +95,7 @@ int main(int argc, char** argv) {
   std::uint64_t check_every = 0;
   std::uint32_t phases = 0;
   std::uint64_t gpu_lag_us = 0;
+  bool stream_lags = false;
   std::vector<std::string> call_costs;
   int gpu = 0;
   std::uint64_t sample_every = 64;
@@ -141,6 +142,10 @@ int main(int argc, char** argv) {
                  "simulated device: the GPU finishes the work queued on a stream this many "
                  "microseconds (of the trace's own clock) after the host queued it, so events "
                  "complete late and waiting for one costs host time (default 0: at once)");
+  app.add_flag("--stream-lags", stream_lags,
+               "simulated device: a stream stays busy as long as the trace's late frees "
+               "(record_stream) show its work ran behind the host, on top of --gpu-lag-us (Note "
+               "[Each stream's own lag]); for jobs that hand memory between streams");
   std::string cost_help =
       "simulated device: what one device call costs the host, as KIND=MICROSECONDS (repeatable), "
       "for another GPU's measured costs or to check how much a result depends on them; KIND and "
@@ -262,6 +267,7 @@ int main(int argc, char** argv) {
       opts.plot_points = plot_path.empty() ? 0 : 2000;
       opts.phases = phases;
       opts.gpu_lag_us = gpu_lag_us;
+      opts.stream_lags = stream_lags;
       opts.call_costs = costs;
       std::string conf;
       if (auto it = conf_of.find(p); it != conf_of.end()) {
@@ -389,11 +395,32 @@ int main(int argc, char** argv) {
                   "each stream's free memory for that stream\n",
                   static_cast<double>(replay::stream_peaks_sum(prepared)) / req);
     }
-    if (prepared.unmatched_frees != 0) {
-      std::printf("  note: %llu frees of blocks allocated before recording started were skipped\n",
-                  static_cast<unsigned long long>(prepared.unmatched_frees));
+    if (prepared.peak_live_pending > prepared.peak_requested) {
+      std::printf("live + pending: peak %s bytes, %.3fx the peak requested: blocks freed while another "
+                  "stream still used them stay unusable until their free_completed, so no policy "
+                  "replayed here holds less\n",
+                  with_commas(prepared.peak_live_pending).c_str(),
+                  static_cast<double>(prepared.peak_live_pending) / req);
     }
-
+    if (stream_lags) {
+      if (prepared.stream_lags.empty()) {
+        std::printf("stream lags: the trace has no late free to sample them from; every stream "
+                    "lags %llu us\n", static_cast<unsigned long long>(gpu_lag_us));
+      }
+      for (const auto& [stream, busy] : prepared.stream_lags) {
+        std::vector<std::uint64_t> ahead;  // how far each late free's completion was ahead of it
+        for (const auto& [requested, until] : busy) {
+          ahead.push_back(until - requested);
+        }
+        std::sort(ahead.begin(), ahead.end());
+        std::printf("stream %#llx busy by %zu late frees of other streams' blocks (Note [Each stream's own "
+                    "lag]): behind the host by a median %.1f ms, 90th percentile %.1f ms, most %.1f ms\n",
+                    static_cast<unsigned long long>(stream), ahead.size(),
+                    static_cast<double>(ahead[ahead.size() / 2]) / 1000,
+                    static_cast<double>(ahead[ahead.size() * 9 / 10]) / 1000,
+                    static_cast<double>(ahead.back()) / 1000);
+      }
+    }
     if (!json_path.empty()) {
       nlohmann::json j;
       j["trace"] = trace_path;
@@ -411,6 +438,8 @@ int main(int argc, char** argv) {
         j["stream_peaks"].push_back({{"stream", stream}, {"peak_requested_bytes", bytes}});
       }
       j["stream_peaks_sum_bytes"] = replay::stream_peaks_sum(prepared);
+      j["peak_live_pending_bytes"] = prepared.peak_live_pending;
+      j["stream_lags"] = stream_lags;
       j["policies"] = nlohmann::json::array();
       for (const replay::PolicyResult& r : results) {
         nlohmann::json p;

@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cstdio>
 #include <exception>
+#include <iterator>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -70,7 +71,17 @@ PreparedTrace prepare(const trace::Snapshot& snapshot, std::string name, std::op
   std::uint64_t requested = 0;
   std::uint64_t reserved = 0;
   t.ops.reserve(events.size());
-  std::unordered_map<std::uint64_t, std::uint32_t> awaiting;  // addr -> slot freed, not completed
+  struct Awaiting {
+    std::uint32_t slot;
+    std::uint64_t requested_us;  // when the tensor died
+    std::uint64_t stream;        // the stream that allocated it
+  };
+  std::unordered_map<std::uint64_t, Awaiting> awaiting;  // addr -> freed, not completed
+  struct LagSample {
+    std::uint64_t requested_us, completed_us, alloc_stream;
+  };
+  std::vector<LagSample> lag_samples;  // Note [Each stream's own lag]
+  std::uint64_t pending = 0;           // bytes of blocks freed late, not completed yet
   // Note [Simulated time] (sim_backend.h): times relative to the first entry that has one.
   std::int64_t origin = 0;
   for (const trace::TraceEvent* e : events) {
@@ -92,6 +103,7 @@ PreparedTrace prepare(const trace::Snapshot& snapshot, std::string name, std::op
         requested_at.push_back(-1);
         requested += e.size;
         t.peak_requested = std::max(t.peak_requested, requested);
+        t.peak_live_pending = std::max(t.peak_live_pending, requested + pending);
         std::uint32_t k = 0;
         while (k < t.stream_peaks.size() && t.stream_peaks[k].first != e.stream) {
           ++k;  // few streams: a linear search
@@ -125,7 +137,8 @@ PreparedTrace prepare(const trace::Snapshot& snapshot, std::string name, std::op
           ++i;  // the free_completed is part of this free
         } else {
           t.ops.push_back({OpKind::free_deferred, slot, 0, 0, at(e)});
-          awaiting[e.addr] = slot;
+          awaiting[e.addr] = Awaiting{slot, at(e), t.stream_peaks[slot_stream[slot]].first};
+          pending += slot_size[slot];
         }
         break;
       }
@@ -135,7 +148,10 @@ PreparedTrace prepare(const trace::Snapshot& snapshot, std::string name, std::op
           ++t.unmatched_frees;
           break;
         }
-        t.ops.push_back({OpKind::free_completed, it->second, 0, 0, at(e)});
+        const Awaiting& w = it->second;
+        pending -= slot_size[w.slot];
+        t.ops.push_back({OpKind::free_completed, w.slot, 0, 0, at(e)});
+        lag_samples.push_back({w.requested_us, std::max(at(e), w.requested_us), w.stream});
         awaiting.erase(it);
         break;
       }
@@ -150,6 +166,21 @@ PreparedTrace prepare(const trace::Snapshot& snapshot, std::string name, std::op
           }
         }
         break;
+    }
+  }
+  std::sort(lag_samples.begin(), lag_samples.end(),
+            [](const LagSample& a, const LagSample& b) { return a.requested_us < b.requested_us; });
+  for (const auto& [stream, peak] : t.stream_peaks) {
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> busy;  // (requested, busy until)
+    std::uint64_t until = 0;
+    for (const LagSample& s : lag_samples) {
+      if (s.alloc_stream != stream) {
+        until = std::max(until, s.completed_us);
+        busy.emplace_back(s.requested_us, until);
+      }
+    }
+    if (!busy.empty()) {
+      t.stream_lags.emplace_back(stream, std::move(busy));
     }
   }
   return t;
@@ -331,6 +362,24 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
   sim_options.model_call_costs = true;      // Note [Simulated time]
   sim_options.event_lag_ns = options.gpu_lag_us * 1000;
   sim_options.costs = options.call_costs;
+  if (options.stream_lags && !trace.stream_lags.empty()) {
+    // Note [Each stream's own lag]: busy until the latest completion of the late frees requested
+    // by now, and never less than the fixed lag.
+    sim_options.stream_lag = [&lags = trace.stream_lags, floor_ns = sim_options.event_lag_ns](
+                                 StreamId stream, std::uint64_t clock_ns) -> std::optional<std::uint64_t> {
+      for (const auto& [s, busy] : lags) {
+        if (s != stream) {
+          continue;
+        }
+        const std::uint64_t now_us = clock_ns / 1000;
+        auto it = std::upper_bound(busy.begin(), busy.end(), now_us,
+                                   [](std::uint64_t t, const auto& b) { return t < b.first; });
+        const std::uint64_t until = it == busy.begin() ? 0 : std::prev(it)->second;
+        return std::max(floor_ns, until > now_us ? (until - now_us) * 1000 : 0);
+      }
+      return std::nullopt;
+    };
+  }
   auto backend = std::make_unique<SimBackend>(sim_options);
   SimBackend& sim = *backend;
   if (policy == "native") {

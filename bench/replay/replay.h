@@ -11,6 +11,30 @@
 // simulated device holds busy, frees the block, and lets S finish at `free_completed`: the front
 // end then hands the block back at the next allocation, exactly when PyTorch's allocator could
 // reuse it. Requested bytes count from `alloc` to `free_requested` (the tensor's lifetime).
+//
+// Note [Each stream's own lag]
+// A GPU runs a stream's work some time after the host queued it, and streams differ: a copy
+// stream bound by PCIe, or a compute stream that waits for it, runs tens of milliseconds behind
+// while the host goes on. A recording says how far. When a block another stream used is freed,
+// PyTorch (and cachealloc's recorder) records an event on that stream and writes free_completed
+// once it finds the event complete (at its next allocation), so the work that stream had queued
+// by free_requested was done by free_completed, and not much earlier. With
+// ReplayOptions::stream_lags (cachealloc-replay --stream-lags) a stream is busy until the latest
+// free_completed of the late frees requested before now: an event recorded at time t completes at
+// that time if it is later than t (and gpu_lag_us after t if that is later still). A late free of
+// a block allocated on stream A speaks for the streams other than A (the trace does not name the
+// stream that used the block: with more than two streams every other one takes it). Streams
+// without such a free keep gpu_lag_us. The frees the trace shows waiting are still held until
+// their own free_completed (Note [Replaying frees]); the lags are for everything else the policy
+// waits on: the events of a same-stream free, and whether a page is safe to unmap.
+// Checked against cachealloc's own recordings of defrag on an H100 (bench/validation/gpu_runs,
+// peak reserved replayed against recorded): offload_train -0.8% (-11.6% with no lag),
+// stream_weights +5.4% (-6.6%). Taking a stream's lag as the last late free's wait, held until
+// the next one, was worse (+13.5%, +1.6%): after the host waits (each step ends with a
+// synchronize) the GPU has caught up, which a held lag ignores. On the H200 recordings of the same
+// jobs (bench/validation/recordings{,_b}) it also gives the H200's verdict against expandable
+// segments where no lag did: offload_train above them (3.099 against 3.061 at 0 ms), the second
+// stream_weights below (1.575 against 1.596); bench/results/defrag_session29_2026-12-05.md.
 #pragma once
 
 #include <cachealloc/allocator.h>
@@ -52,11 +76,18 @@ struct PreparedTrace {
   std::vector<SegmentEntry> segments;
   std::uint64_t recorded_peak_reserved = 0;
   std::uint64_t peak_requested = 0;
+  /// The peak of requested bytes plus those of blocks freed while another stream still used them
+  /// (from free_requested to free_completed): held in the replay whatever the policy does.
+  std::uint64_t peak_live_pending = 0;
   /// Each stream's own peak of requested bytes (the blocks it allocated, alive from alloc to
   /// free_requested), in order of the stream's first allocation. Their sum over the peak
   /// requested bytes is the least an allocator that never hands one stream's free memory to
   /// another (without waiting) can hold (Note [What keeping streams apart costs]).
   std::vector<std::pair<std::uint64_t, std::uint64_t>> stream_peaks;  // (stream, bytes)
+  /// Per stream, how long it stays busy by the trace's late frees (Note [Each stream's own lag]):
+  /// (time_us a free was requested, the latest free_completed of those requested by then), in
+  /// order of time, on the trace's clock; streams without a late free are left out.
+  std::vector<std::pair<std::uint64_t, std::vector<std::pair<std::uint64_t, std::uint64_t>>>> stream_lags;
   std::uint64_t unmatched_frees = 0;   ///< frees of blocks allocated before recording started
   trace::AllocatorSettings settings;
   int device = 0;
@@ -147,6 +178,9 @@ struct ReplayOptions {
   /// How long after the host the simulated GPU finishes the work queued on a stream (0: at
   /// once): SimOptions::event_lag_ns, Note [Simulated events].
   std::uint64_t gpu_lag_us = 0;
+  /// Each stream finishes its work as late as the trace's late frees show (trace.stream_lags;
+  /// streams without a sample: gpu_lag_us): Note [Each stream's own lag].
+  bool stream_lags = false;
   /// What each device call costs the simulated host (SimOptions::costs; the H200's by default).
   SimCallCosts call_costs{};
 };

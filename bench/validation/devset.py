@@ -75,8 +75,8 @@ def parse_variants(args) -> list[dict]:
     return variants
 
 
-def run_pair(trace: str, lag: int, variants: list[dict], check_every: int) -> dict:
-    lag_args = ["--gpu-lag-us", str(lag)]
+def run_pair(trace: str, lag: int, variants: list[dict], check_every: int, stream_lags: bool = False) -> dict:
+    lag_args = ["--gpu-lag-us", str(lag)] + (["--stream-lags"] if stream_lags else [])
     expandable = replay(variants[0]["replay"], trace,
                         ["-p", "native", "-c", "native=expandable_segments:True", *lag_args], 0)
     row = {"trace": short_name(trace), "lag_us": lag,
@@ -142,6 +142,9 @@ def main() -> int:
     ap.add_argument("--lags", default="0,2000,100000",
                     help="GPU lags in microseconds, comma-separated (default: %(default)s; 100 ms "
                          "stands for a host that queues a whole inference step ahead of the GPU)")
+    ap.add_argument("--stream-lags", action="store_true",
+                    help="every replay with cachealloc-replay --stream-lags: streams stay busy as long as "
+                         "the trace's late frees show, on top of each lag")
     ap.add_argument("--bound", type=float, default=1.02,
                     help="issue 5's bound on peak reserved / peak requested (default %(default)s)")
     ap.add_argument("--check-every", type=int, default=0,
@@ -171,7 +174,7 @@ def main() -> int:
     pairs = [(t, lag) for t in traces for lag in lags]
     rows: list[dict | None] = [None] * len(pairs)
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {pool.submit(run_pair, t, lag, variants, args.check_every): i
+        futures = {pool.submit(run_pair, t, lag, variants, args.check_every, args.stream_lags): i
                    for i, (t, lag) in enumerate(pairs)}
         for done, f in enumerate(concurrent.futures.as_completed(futures), 1):
             i = futures[f]

@@ -465,6 +465,45 @@ TEST_CASE("sim: with a GPU lag, events complete late and a wait costs host time"
   }
 }
 
+TEST_CASE("sim: a stream's own lag changes over time and its events still complete in order",
+          "[core][sim]") {
+  // Note [Each stream's own lag]: stream 1 runs 5 ms behind until 10 ms, then 1 ms; stream 2 has
+  // no lag of its own and takes event_lag_ns (0: at once).
+  SimOptions o;
+  o.auto_complete_events = true;
+  o.stream_lag = [](StreamId stream, std::uint64_t clock_ns) -> std::optional<std::uint64_t> {
+    if (stream != 1) {
+      return std::nullopt;
+    }
+    return clock_ns < 10'000'000 ? 5'000'000 : 1'000'000;
+  };
+  SimBackend sim(o);
+  const EventId a = sim.record_event(1);  // ready at 5 ms
+  const EventId other = sim.record_event(2);
+  CHECK(sim.query_event(other));
+  sim.advance_clock_to(4'999'999);
+  CHECK_FALSE(sim.query_event(a));
+  sim.advance_clock_to(9'900'000);
+  CHECK(sim.query_event(a));
+  const EventId b = sim.record_event(1);  // ready at 14.9 ms
+  sim.advance_clock_to(10'000'000);
+  const EventId c = sim.record_event(1);  // 1 ms lag now, but not before b: 14.9 ms
+  sim.advance_clock_to(11'000'000);
+  CHECK_FALSE(sim.query_event(c));
+  sim.advance_clock_to(14'900'000);
+  CHECK(sim.query_event(b));
+  CHECK(sim.query_event(c));
+  sim.advance_clock_to(20'000'000);
+  const EventId d = sim.record_event(1);  // caught up: 1 ms
+  sim.advance_clock_to(20'999'999);
+  CHECK_FALSE(sim.query_event(d));
+  sim.advance_clock_to(21'000'000);
+  CHECK(sim.query_event(d));
+  for (EventId e : {a, b, c, d, other}) {
+    sim.destroy_event(e);
+  }
+}
+
 TEST_CASE("front end: the time inside each kind of device call, in the stats", "[core]") {
   // The simulated device charges an H200's median cost per call (Note [Simulated time]), so the
   // times the backend measured (Note [Time in device calls]) are exactly those costs.

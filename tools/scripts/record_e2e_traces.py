@@ -21,12 +21,20 @@ lacked them for resnet50 and the pipeline; Note [Which requests are small], defr
 
 A workload that fails or runs past --timeout-s (its own process is killed) is reported and the
 others still run; the exit status is then 1.
+
+PyTorch's allocator runs with whatever PYTORCH_CUDA_ALLOC_CONF says (expandable_segments:True
+records an expandable run). With --cachealloc CONF the workload runs under cachealloc's plugin
+instead (CACHEALLOC_CONF=CONF plus `record:`), and the snapshot is cachealloc's own recording
+(cachealloc.dump_snapshot()): its segment_map/segment_unmap entries are what the policy mapped on
+the device, so `cachealloc-replay` shows that run's real peak in its `recorded` row beside what
+the simulated device makes of the same requests (a check of the replay's model of the GPU).
 """
 
 from __future__ import annotations
 
 import argparse
 import lzma
+import os
 import pickle
 import subprocess
 import sys
@@ -39,6 +47,9 @@ sys.path.insert(0, str(REPO / "bench" / "e2e"))
 import torch  # noqa: E402
 
 from run_e2e import load_workloads_file  # noqa: E402
+
+sys.path.insert(0, str(REPO / "tools"))
+from trace_to_csv import load_snapshot  # noqa: E402
 
 SUITES = {"e2e": REPO / "bench" / "e2e" / "workloads.py", "validation": REPO / "bench" / "validation" / "workloads.py"}
 
@@ -64,6 +75,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=None, help="steps per workload (default: e2e, run_e2e.py's "
                    "warm-up plus twice its measured steps; validation, the suite's DEFAULT_STEPS)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cachealloc", metavar="CONF", default=None,
+                   help="run under cachealloc's plugin with CACHEALLOC_CONF=CONF (e.g. policy:defrag) and write "
+                   "its own recording instead of PyTorch's")
     p.add_argument("--timeout-s", type=float, default=600.0,
                    help="per workload, when several run (each in its own process): kill it after this long")
     args = p.parse_args()
@@ -86,6 +100,8 @@ def main() -> int:
         for name in names:
             cmd = [sys.executable, __file__, "--suite", args.suite, "--out-dir", str(out), "--workloads", name,
                    "--seed", str(args.seed)]
+            if args.cachealloc is not None:
+                cmd += ["--cachealloc", args.cachealloc]
             if args.steps is not None:
                 cmd += ["--steps", str(args.steps)]
             try:
@@ -101,26 +117,49 @@ def main() -> int:
                   file=sys.stderr)
         return 1 if failed else 0
     device = torch.device("cuda")
+    cachealloc = None
+    if args.cachealloc is not None:
+        import cachealloc  # tools/, on the path when installed (pip install ./tools) or via PYTHONPATH
+
+        # `record:` turns the plugin's recorder on; it also writes that file at exit (a scratch copy).
+        cachealloc.enable(f"{args.cachealloc},record:{out / '.last_record.pickle'}")
     for name in names:
         steps = args.steps if args.steps is not None else default_steps[name]
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
-                                                  max_entries=5_000_000)
+        if cachealloc is None:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
+                                                      max_entries=5_000_000)
         t0 = time.perf_counter()
         wl = workloads.build(name, device, args.seed, "full")
         for i in range(steps):
             wl.step(i)
             torch.cuda.synchronize(device)
-        snap = torch.cuda.memory._snapshot()
-        torch.cuda.memory._record_memory_history(enabled=None)
         path = out / f"{prefix}{name}.pickle.xz"
-        with lzma.open(path, "wb", preset=6) as f:
-            pickle.dump(snap, f)
-        events = sum(len(t) for t in snap.get("device_traces", []))
-        print(f"{name}: {steps} steps in {time.perf_counter() - t0:.1f} s, {events} trace entries, "
-              f"peak reserved {torch.cuda.max_memory_reserved(device)} B, "
-              f"peak allocated {torch.cuda.max_memory_allocated(device)} B -> {path} "
+        if cachealloc is None:
+            snap = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+            with lzma.open(path, "wb", preset=6) as f:
+                pickle.dump(snap, f)
+            events = sum(len(t) for t in snap.get("device_traces", []))
+            peaks = f"peak reserved {torch.cuda.max_memory_reserved(device)} B, " \
+                    f"peak allocated {torch.cuda.max_memory_allocated(device)} B"
+            allocator = "torch" + (f" ({os.environ['PYTORCH_CUDA_ALLOC_CONF']})"
+                                   if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") else "")
+        else:
+            raw = out / f".{name}.pickle"
+            cachealloc.dump_snapshot(raw)
+            snap = load_snapshot(str(raw))  # plain data only (tools/trace_to_csv.py)
+            with lzma.open(path, "wb", preset=6) as f:
+                f.write(raw.read_bytes())
+            raw.unlink()
+            events = sum(len(t) for t in snap.get("device_traces", []))
+            stats = cachealloc.memory_stats(device)
+            peaks = f"peak reserved {stats['reserved_bytes.all.peak']} B, " \
+                    f"peak allocated {stats['allocated_bytes.all.peak']} B"
+            allocator = f"cachealloc ({args.cachealloc})"
+        print(f"{name}: {steps} steps in {time.perf_counter() - t0:.1f} s under {allocator}, "
+              f"{events} trace entries, {peaks} -> {path} "
               f"({path.stat().st_size} bytes); {wl.description}", flush=True)
         del wl
     return 0

@@ -17,7 +17,9 @@
 //                          the trace says which frees waited for another stream (record_stream).
 //                          With SimOptions::event_lag_ns, "as soon as" becomes that long after
 //                          recording on the simulated clock, and synchronize_event() moves the
-//                          clock to the completion (a wait costs host time, as on a real GPU)
+//                          clock to the completion (a wait costs host time, as on a real GPU);
+//                          SimOptions::stream_lag gives a stream a lag of its own (Note [Each
+//                          stream's own lag])
 // synchronize_event() completes the event (and everything before it on its stream), as a real
 // cudaEventSynchronize would return only once that work finished. release() completes every
 // stream, because cudaFree synchronizes the whole device before it returns (VMM unmap does not).
@@ -46,6 +48,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <unordered_map>
@@ -98,6 +101,11 @@ struct SimOptions {
   /// recorded instead of at once, as a GPU finishes work some time after the host queued it
   /// (Note [Simulated events]).
   std::uint64_t event_lag_ns = 0;
+  /// With auto_complete_events: how far behind the host each stream's work is, when it differs
+  /// from event_lag_ns (Note [Each stream's own lag]): called with the stream and the clock when
+  /// an event is recorded; no value means event_lag_ns. Events on one stream still complete in
+  /// the order they were recorded.
+  std::function<std::optional<std::uint64_t>(StreamId, std::uint64_t clock_ns)> stream_lag{};
   /// unmap_after() keeps the mapping until the work the stream had queued completes, without
   /// waiting (as backend cuda_vmm with background_unmap: Note [Moving pages a stream still
   /// uses], background_unmapper.h); a map into the range, releasing physical memory or an
@@ -233,6 +241,7 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
   void wait_until_done(Event& e);
 
   SimOptions options_;
+  std::unordered_map<StreamId, std::uint64_t> stream_ready_ns_;  // SimOptions::stream_lag: last ready_ns
   std::uint64_t clock_ns_ = 0;    // Note [Simulated time]
   std::uint64_t charged_ns_ = 0;  // modelled cost of the calls made so far
   void charge(std::uint64_t ns) noexcept {
