@@ -539,13 +539,17 @@ Block DefragEngine::allocate(std::size_t bytes, StreamId stream) {
   return Block{reinterpret_cast<void*>(block->addr), block->size, block};
 }
 
-void DefragEngine::deallocate(const Block& block) noexcept {
+void DefragEngine::deallocate(const Block& block, bool settled) noexcept {
   Node* n = static_cast<Node*>(block.cookie);
   live_bytes_ -= n->size;
   --live_blocks_;
-  n->stamp = epoch_;
-  mark_dirty(n->cls);
-  ++frees_in_epoch_;
+  if (settled) {
+    n->stamp = 0;  // safe from every stream's work now: no epoch to wait for
+  } else {
+    n->stamp = epoch_;
+    mark_dirty(n->cls);
+    ++frees_in_epoch_;
+  }
   if (n->size <= recent_max_ && keep_recent(n)) {
     return;
   }
@@ -800,6 +804,10 @@ Block DefragPolicy::allocate(std::size_t bytes, StreamId stream) {
 void DefragPolicy::deallocate(const Block& block, StreamId /*stream*/) noexcept {
   // The block's own stream is recorded in it at allocation; policy.h item 4 says they agree.
   engine_->deallocate(block);
+}
+
+void DefragPolicy::deallocate_settled(const Block& block, StreamId /*stream*/) noexcept {
+  engine_->deallocate(block, /*settled=*/true);
 }
 
 std::size_t DefragPolicy::release_cached() { return engine_->release_cached(); }

@@ -224,7 +224,8 @@ class alignas(64) DefragEngine {
   DefragEngine& operator=(const DefragEngine&) = delete;
 
   Block allocate(std::size_t bytes, StreamId stream);
-  void deallocate(const Block& block) noexcept;
+  /// `settled`: every stream finished its work on the block, its own too (stamped as done).
+  void deallocate(const Block& block, bool settled = false) noexcept;
   std::size_t release_cached();
   [[nodiscard]] std::size_t reserved_bytes() const noexcept { return held_pages_ * page_; }
   [[nodiscard]] std::size_t live_bytes() const noexcept { return live_bytes_; }

@@ -606,6 +606,54 @@ TEST_CASE("defrag: small requests share pages in their own address range", "[def
   CHECK(g.policy.reserved_bytes() == 2 * 2 * MiB);
 }
 
+TEST_CASE("defrag: a cross-stream free whose own stream also finished comes back settled, one "
+          "whose own stream is still busy is never handed to another stream", "[defrag][streams]") {
+  // Note [Frees that come back settled] (allocator.h), through the front end over the stream-use
+  // oracle. A 40 MiB block of stream 1, used by kernels on streams 1 and 2 (record_stream), is
+  // freed; stream 2 finishes. Then stream 3 asks for 40 MiB with no slack: the freed block's
+  // memory is all there is without growing.
+  const bool own_done = GENERATE(true, false);
+  CAPTURE(own_done);
+  auto owned = std::make_unique<OracleBackend>(4 * kGiB);
+  OracleBackend& oracle = *owned;
+  Config config = Config::parse("grow_slack:0");
+  CachingAllocator<DefragPolicy> a(std::move(owned), config);
+  void* keep = a.allocate(20 * MiB, 1);
+  void* p = a.allocate(40 * MiB, 1);
+  const auto va = reinterpret_cast<std::uintptr_t>(p);
+  oracle.use(1, va, 40 * MiB);
+  a.record_stream(p, 2);
+  oracle.use(2, va, 40 * MiB);
+  a.deallocate(p);
+  CHECK(a.pending_frees() == 1);
+  oracle.complete(2);
+  if (own_done) {
+    oracle.complete(1);
+  }
+  const std::int64_t reserved = a.stats().reserved_bytes.current;
+  void* q = a.allocate(40 * MiB, 3);  // polls the parked free first
+  CHECK(a.pending_frees() == 0);
+  const auto qa = reinterpret_cast<std::uintptr_t>(q);
+  CHECK_FALSE(oracle.busy(qa, 40 * MiB, 3, /*any=*/false));  // nothing else still uses it
+  CHECK(oracle.violations().empty());
+  if (own_done) {
+    // Settled: every stream is done with it, so stream 3 takes that memory as it is.
+    CHECK(a.stats().reserved_bytes.current == reserved);
+    CHECK(a.policy().counters().pages_created == static_cast<std::uint64_t>(reserved) / (2 * MiB));
+  } else {
+    // Stream 1's kernel may still run on it: stream 3 gets other memory.
+    CHECK_FALSE(overlap(qa, 40 * MiB, va, 40 * MiB));
+    CHECK(a.stats().reserved_bytes.current > reserved);
+  }
+  a.check_invariants();
+  oracle.complete(1);
+  oracle.complete(3);
+  a.deallocate(q);
+  a.deallocate(keep);
+  a.check_invariants();
+  CHECK(oracle.violations().empty());
+}
+
 TEST_CASE("defrag: pages under free holes move where memory is needed", "[defrag]") {
   // The frees are this stream's and its work is not done (auto_complete off). With move_pending
   // and a backend that unmaps after the stream (the simulated device's default, as cuda_vmm's)

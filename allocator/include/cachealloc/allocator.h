@@ -13,6 +13,18 @@
 // completed. So a policy never sees a block another stream may still touch: policies only ever
 // reason about the block's own stream (see policy.h, item 4).
 //
+// Note [Frees that come back settled]
+// A parked block comes back when the other streams are done with it, but its own stream may
+// still be running work queued before the free (a compute stream that lags the host while a copy
+// stream drains). The policy must then treat the block's memory as in use by that stream, and a
+// policy that moves physical pages (defrag) can only move them once an event it records later,
+// after even more work, completes: bench/results/defrag_session29_2026-12-05.md found the
+// offloading job's growths blocked by such holes. So park() also records one event on the
+// block's own stream, and when the block comes back and that event has completed too (queried
+// then; waited for when the flush waits anyway), no work on any stream can touch the block, and
+// a policy that says so takes it through `deallocate_settled` (policy.h). Without that member,
+// or when the event is still pending (or could not be recorded), the block comes back as before.
+//
 // Note [One query per busy stream]
 // Parked frees are kept in the order they were parked, and an event completes only after every
 // event recorded before it on the same stream. So when one pass over `pending_` finds an event
@@ -559,7 +571,7 @@ class CachingAllocator final : public DeviceAllocator {
       if (done) {
         parked_bytes_ -= static_cast<std::int64_t>(p.block.size);
         --parked_count_;
-        complete_free(p.block, p.requested, p.stream);
+        complete_free(p.block, p.requested, p.stream, own_stream_done(p, wait));
       } else {
         if (kept != i) {
           pending_[kept] = std::move(p);
@@ -592,6 +604,7 @@ class CachingAllocator final : public DeviceAllocator {
     std::vector<StreamId> streams;  // the other streams that used the block
     std::vector<EventId> events;    // events[i] recorded on streams[i]; 0 once completed
     bool needs_events;              // some events could not be recorded yet
+    EventId own_event = 0;          // on `stream` at the free (Note [Frees that come back settled])
   };
 
   /// The pool's attributes and the policy's share of them; nullopt when the device cannot answer
@@ -687,10 +700,39 @@ class CachingAllocator final : public DeviceAllocator {
     return true;
   }
 
-  void complete_free(const Block& block, std::size_t requested, StreamId stream) {
+  /// Whether the parked block's own stream finished the work queued before its free; destroys
+  /// the event either way (Note [Frees that come back settled]). Never throws.
+  bool own_stream_done(Parked& p, bool wait) noexcept {
+    if (p.own_event == 0) {
+      return false;
+    }
+    bool done = false;
+    try {
+      if (wait) {
+        backend_->synchronize_event(p.own_event);
+        done = true;
+      } else {
+        done = backend_->query_event(p.own_event);
+      }
+    } catch (...) {  // NOLINT(bugprone-empty-catch): not known to be done: an ordinary free
+    }
+    backend_->destroy_event(p.own_event);
+    p.own_event = 0;
+    return done;
+  }
+
+  void complete_free(const Block& block, std::size_t requested, StreamId stream, bool settled = false) {
     active_freed_bytes_ += static_cast<std::int64_t>(block.size);
     ++active_freed_count_;
-    policy_.deallocate(block, stream);
+    if constexpr (requires(P& q) { q.deallocate_settled(block, stream); }) {
+      if (settled) {
+        policy_.deallocate_settled(block, stream);
+      } else {
+        policy_.deallocate(block, stream);
+      }
+    } else {
+      policy_.deallocate(block, stream);
+    }
     if (observer_) {
       notify(AllocatorEvent::free_completed, reinterpret_cast<std::uintptr_t>(block.ptr), requested, stream);
     }
@@ -731,6 +773,12 @@ class CachingAllocator final : public DeviceAllocator {
   CACHEALLOC_SLOW_PATH void park(Entry&& e) noexcept {
     Parked p{e.block, e.requested, e.stream, std::move(*e.other_streams), {}, false};
     record_events(p);
+    if constexpr (requires(P& q) { q.deallocate_settled(p.block, p.stream); }) {
+      try {  // Note [Frees that come back settled]; without it the block comes back as before
+        p.own_event = backend_->record_event(p.stream);
+      } catch (...) {  // NOLINT(bugprone-empty-catch)
+      }
+    }
     const auto bytes = static_cast<std::int64_t>(p.block.size);
     pending_.push_back(std::move(p));
     parked_bytes_ += bytes;

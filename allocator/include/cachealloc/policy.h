@@ -24,7 +24,11 @@
 //   7. `void check_invariants() const`: throws InvariantError on any broken invariant
 //      (no overlapping blocks, every reserved byte in exactly one block, ...).
 //
-// Optional: `void visit_segments(F&&) const` for snapshots (see SegmentView).
+// Optional: `void visit_segments(F&&) const` for snapshots (see SegmentView);
+// `void deallocate_settled(const Block& block, StreamId stream) noexcept`: as deallocate, for a
+// block no stream's work can touch any more (its own stream too finished everything queued
+// before the free), so its memory may be reused on any stream or unmapped at once (Note [Frees
+// that come back settled], allocator.h).
 #pragma once
 
 #include <cachealloc/backend.h>

@@ -258,6 +258,9 @@ class DefragPolicy {
 
   [[nodiscard]] Block allocate(std::size_t bytes, StreamId stream);
   void deallocate(const Block& block, StreamId stream) noexcept;
+  /// A free no stream's work can touch any more: its pages may move at once (Note [Frees that
+  /// come back settled], allocator.h).
+  void deallocate_settled(const Block& block, StreamId stream) noexcept;
   /// Waits for every stream that used a free page, then unmaps and releases all wholly free pages.
   std::size_t release_cached();
   [[nodiscard]] std::size_t reserved_bytes() const noexcept;
