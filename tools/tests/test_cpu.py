@@ -521,6 +521,29 @@ def test_replay_explain_prints_defrag_slack_history(tmp_path):
     assert [e["time_s"] for e in history] == sorted(e["time_s"] for e in history)
 
 
+def test_replay_stream_lags_and_the_live_plus_pending_floor(tmp_path):
+    """cachealloc-replay on a GPU run of a job that hands memory between streams (offload_train
+    under defrag on an H100, bench/validation/gpu_runs): the live + pending floor and, with
+    --stream-lags, how far behind each of its two streams ran; the recorded peak in the table and
+    the floor and flag in --json; every policy at or above the floor."""
+    trace = REPO / "bench" / "validation" / "gpu_runs" / "defrag" / "offload_train.pickle.xz"
+    found = built_replay(trace, trace)
+    out = tmp_path / "r.json"
+    r = subprocess.run([found[0], str(trace), "-q", "-p", "defrag", "-p", "native", "-c",
+                        "native=expandable_segments:True", "--stream-lags", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "recorded        11,450,449,920" in r.stdout, r.stdout
+    assert "live + pending: peak " in r.stdout, r.stdout
+    busy = [line for line in r.stdout.splitlines() if line.startswith("stream ") and " busy by " in line]
+    assert len(busy) == 2, r.stdout
+    j = json.loads(out.read_text())
+    assert j["stream_lags"] is True
+    assert j["peak_live_pending_bytes"] > j["peak_requested_bytes"]
+    for p in j["policies"]:
+        assert p["peak_reserved_bytes"] >= j["peak_live_pending_bytes"], p["name"]
+
+
 def test_devset_compares_defrag_variants_against_expandable(tmp_path):
     """bench/validation/devset.py on one shared trace at two lags with two variants: a row per
     (trace, lag) with expandable's ratio and each variant's, a summary per variant that compares
