@@ -121,8 +121,9 @@ def main() -> int:
     if args.cachealloc is not None:
         import cachealloc  # tools/, on the path when installed (pip install ./tools) or via PYTHONPATH
 
-        # `record:` turns the plugin's recorder on; it also writes that file at exit (a scratch copy).
-        cachealloc.enable(f"{args.cachealloc},record:{out / '.last_record.pickle'}")
+        # `record:` turns the plugin's recorder on; it would also write the trace to that path at
+        # exit, which dump_snapshot() below does already.
+        cachealloc.enable(f"{args.cachealloc},record:{os.devnull}")
     for name in names:
         steps = args.steps if args.steps is not None else default_steps[name]
         if cachealloc is None:
