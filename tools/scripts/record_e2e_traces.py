@@ -119,7 +119,7 @@ def main() -> int:
     device = torch.device("cuda")
     cachealloc = None
     if args.cachealloc is not None:
-        import cachealloc  # tools/, on the path when installed (pip install ./tools) or via PYTHONPATH
+        import cachealloc  # tools/cachealloc (tools/ is on sys.path above)
 
         # `record:` turns the plugin's recorder on; it would also write the trace to that path at
         # exit, which dump_snapshot() below does already.
