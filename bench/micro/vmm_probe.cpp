@@ -45,6 +45,15 @@
 // map_behind_wait was ok (4.1 us): the runtime checks copy and memset addresses at enqueue, so
 // an allocator must hand out only mapped memory.
 // Run last: a kernel that touched unmapped pages would leave the context unusable.
+//
+// Note [Maps while copy engines run]
+// On the H100 (session 29, bench/results/defrag_session29_2026-12-05.md) defrag's cuMemMap +
+// cuMemSetAccess cost 400 us per call in offload_train, whose copy stream streams activations to
+// pinned host memory, against 74 us in the two-stream pipeline and 55 us on an idle H200. These
+// probes time the map alone (one handle of 1 and of 16 pages, mapped and granted access; the
+// unmap is not timed), first with the device idle, then while another stream runs device-to-host
+// copies of 256 MiB into pinned memory back to back, then host-to-device: "PROBE map_<n>p_<load>:
+// ok median <us> over <k>", counting only the maps made while the copies were still running.
 #include "../../allocator/cuda/src/driver_api.h"
 
 #include <cuda_runtime_api.h>
@@ -114,6 +123,68 @@ struct Probe {
 
 double since_us(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Note [Maps while copy engines run]: `load` is "idle", "d2h" or "h2d".
+void map_under_copies(Probe& p, const char* load) {
+  const bool idle = std::string(load) == "idle";
+  const std::size_t copy_bytes = std::size_t{256} << 20;
+  void* dev = nullptr;
+  void* host = nullptr;
+  cudaStream_t copies = nullptr;
+  if (!idle) {
+    if (cudaMalloc(&dev, copy_bytes) != cudaSuccess || cudaMallocHost(&host, copy_bytes) != cudaSuccess ||
+        cudaStreamCreateWithFlags(&copies, cudaStreamNonBlocking) != cudaSuccess) {
+      std::printf("PROBE map_under_%s: not run (no memory or stream for the copies)\n", load);
+      cudaFree(dev);
+      cudaFreeHost(host);
+      return;
+    }
+  }
+  for (const std::size_t pages : {std::size_t{1}, std::size_t{16}}) {
+    CUdeviceptr va = 0;
+    CUmemGenericAllocationHandle h = 0;
+    p.must(p.api.mem_address_reserve(&va, pages * p.page, 0, 0, 0), "cuMemAddressReserve");
+    p.must(p.api.mem_create(&h, pages * p.page, &p.prop, 0), "cuMemCreate");
+    if (!idle) {  // about 40 x 256 MiB: several hundred ms of copies, longer than the maps below
+      for (int i = 0; i < 40; ++i) {
+        const cudaError_t e = std::string(load) == "d2h"
+                                  ? cudaMemcpyAsync(host, dev, copy_bytes, cudaMemcpyDeviceToHost, copies)
+                                  : cudaMemcpyAsync(dev, host, copy_bytes, cudaMemcpyHostToDevice, copies);
+        if (e != cudaSuccess) {
+          throw std::runtime_error("cudaMemcpyAsync for the copy load");
+        }
+      }
+    }
+    std::vector<double> us;
+    for (int i = 0; i < 30; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      p.must(p.map(va, pages * p.page, 0, h), "cuMemMap");
+      const double t = since_us(t0);
+      // Only maps made while the copies still ran count under a load.
+      if (idle || cudaStreamQuery(copies) == cudaErrorNotReady) {
+        us.push_back(t);
+      }
+      p.must(p.api.mem_unmap(va, pages * p.page), "cuMemUnmap");
+    }
+    if (!idle) {
+      cudaStreamSynchronize(copies);
+    }
+    char name[64];
+    std::snprintf(name, sizeof name, "map_%zup_%s", pages, load);
+    if (us.empty()) {
+      std::printf("PROBE %s: not measured (the copies finished before the first map)\n", name);
+    } else {
+      p.report(name, CUDA_SUCCESS, us);
+    }
+    p.must(p.api.mem_release(h), "cuMemRelease");
+    p.must(p.api.mem_address_free(va, pages * p.page), "cuMemAddressFree");
+  }
+  if (!idle) {
+    cudaStreamDestroy(copies);
+    cudaFree(dev);
+    cudaFreeHost(host);
+  }
 }
 
 #if CACHEALLOC_PROBE_KERNELS
@@ -365,6 +436,10 @@ int main() {
       if (rel != CUDA_SUCCESS) {
         p.must(api.mem_release(h), "cuMemRelease");
       }
+    }
+    // Note [Maps while copy engines run]
+    for (const char* load : {"idle", "d2h", "h2d"}) {
+      map_under_copies(p, load);
     }
 #if CACHEALLOC_PROBE_KERNELS
     // Note [Mapping behind a stream wait]: 16 pages, a fresh handle, five rounds each.
