@@ -128,6 +128,7 @@ double since_us(std::chrono::steady_clock::time_point t0) {
 // Note [Maps while copy engines run]: `load` is "idle", "d2h" or "h2d".
 void map_under_copies(Probe& p, const char* load) {
   const bool idle = std::string(load) == "idle";
+  const bool d2h = std::string(load) == "d2h";
   const std::size_t copy_bytes = std::size_t{256} << 20;
   void* dev = nullptr;
   void* host = nullptr;
@@ -148,9 +149,8 @@ void map_under_copies(Probe& p, const char* load) {
     p.must(p.api.mem_create(&h, pages * p.page, &p.prop, 0), "cuMemCreate");
     if (!idle) {  // about 40 x 256 MiB: several hundred ms of copies, longer than the maps below
       for (int i = 0; i < 40; ++i) {
-        const cudaError_t e = std::string(load) == "d2h"
-                                  ? cudaMemcpyAsync(host, dev, copy_bytes, cudaMemcpyDeviceToHost, copies)
-                                  : cudaMemcpyAsync(dev, host, copy_bytes, cudaMemcpyHostToDevice, copies);
+        const cudaError_t e = d2h ? cudaMemcpyAsync(host, dev, copy_bytes, cudaMemcpyDeviceToHost, copies)
+                                   : cudaMemcpyAsync(dev, host, copy_bytes, cudaMemcpyHostToDevice, copies);
         if (e != cudaSuccess) {
           throw std::runtime_error("cudaMemcpyAsync for the copy load");
         }

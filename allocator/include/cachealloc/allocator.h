@@ -700,6 +700,10 @@ class CachingAllocator final : public DeviceAllocator {
     return true;
   }
 
+  /// The policy takes frees that come back settled (policy.h, optional member).
+  static constexpr bool kTakesSettled =
+      requires(P& q, const Block& b, StreamId s) { q.deallocate_settled(b, s); };
+
   /// Whether the parked block's own stream finished the work queued before its free; destroys
   /// the event either way (Note [Frees that come back settled]). Never throws.
   bool own_stream_done(Parked& p, bool wait) noexcept {
@@ -724,7 +728,7 @@ class CachingAllocator final : public DeviceAllocator {
   void complete_free(const Block& block, std::size_t requested, StreamId stream, bool settled = false) {
     active_freed_bytes_ += static_cast<std::int64_t>(block.size);
     ++active_freed_count_;
-    if constexpr (requires(P& q) { q.deallocate_settled(block, stream); }) {
+    if constexpr (kTakesSettled) {
       if (settled) {
         policy_.deallocate_settled(block, stream);
       } else {
@@ -773,7 +777,7 @@ class CachingAllocator final : public DeviceAllocator {
   CACHEALLOC_SLOW_PATH void park(Entry&& e) noexcept {
     Parked p{e.block, e.requested, e.stream, std::move(*e.other_streams), {}, false};
     record_events(p);
-    if constexpr (requires(P& q) { q.deallocate_settled(p.block, p.stream); }) {
+    if constexpr (kTakesSettled) {
       try {  // Note [Frees that come back settled]; without it the block comes back as before
         p.own_event = backend_->record_event(p.stream);
       } catch (...) {  // NOLINT(bugprone-empty-catch)
