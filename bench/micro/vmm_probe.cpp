@@ -48,12 +48,15 @@
 //
 // Note [Maps while copy engines run]
 // On the H100 (session 29, bench/results/defrag_session29_2026-12-05.md) defrag's cuMemMap +
-// cuMemSetAccess cost 400 us per call in offload_train, whose copy stream streams activations to
-// pinned host memory, against 74 us in the two-stream pipeline and 55 us on an idle H200. These
-// probes time the map alone (one handle of 1 and of 16 pages, mapped and granted access; the
-// unmap is not timed), first with the device idle, then while another stream runs device-to-host
-// copies of 256 MiB into pinned memory back to back, then host-to-device: "PROBE map_<n>p_<load>:
-// ok median <us> over <k>", counting only the maps made while the copies were still running.
+// cuMemSetAccess cost 270-400 us per handle mapped in offload_train, whose copy stream streams
+// activations to pinned host memory, against 74 us in the two-stream pipeline and 55 us on an
+// idle H200. These probes time the map alone (the unmap is not timed): one handle of 1 page, one
+// of 16, and 8 one-page handles mapped back to back under one cuMemSetAccess (the policy's
+// map_run), first with the device idle, then while another stream runs device-to-host copies of
+// 256 MiB into pinned memory back to back, then host-to-device: "PROBE map_<n>p_<load>: ok
+// median <us> over <k>" (map_8x1p_<load> for the run), and on a "_parts" line the medians of the
+// cuMemMap calls and of the cuMemSetAccess call apart, which tell whether the cost is paid per
+// handle or per access call. Only maps made while the copies still ran count under a load.
 #include "../../allocator/cuda/src/driver_api.h"
 
 #include <cuda_runtime_api.h>
@@ -121,6 +124,11 @@ struct Probe {
   }
 };
 
+double median(std::vector<double> v) {
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+  return v[v.size() / 2];
+}
+
 double since_us(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -142,11 +150,21 @@ void map_under_copies(Probe& p, const char* load) {
       return;
     }
   }
-  for (const std::size_t pages : {std::size_t{1}, std::size_t{16}}) {
+  // One handle of 1 page, one of 16, and 8 handles of 1 page mapped back to back under one
+  // access call (as the policy's map_run does): which call the time goes to, and whether it is
+  // paid per handle or per access call.
+  struct Case {
+    std::size_t handles;
+    std::size_t pages;  // per handle
+  };
+  for (const Case c : {Case{1, 1}, Case{1, 16}, Case{8, 1}}) {
+    const std::size_t bytes = c.pages * p.page;
     CUdeviceptr va = 0;
-    CUmemGenericAllocationHandle h = 0;
-    p.must(p.api.mem_address_reserve(&va, pages * p.page, 0, 0, 0), "cuMemAddressReserve");
-    p.must(p.api.mem_create(&h, pages * p.page, &p.prop, 0), "cuMemCreate");
+    std::vector<CUmemGenericAllocationHandle> hs(c.handles, 0);
+    p.must(p.api.mem_address_reserve(&va, c.handles * bytes, 0, 0, 0), "cuMemAddressReserve");
+    for (auto& h : hs) {
+      p.must(p.api.mem_create(&h, bytes, &p.prop, 0), "cuMemCreate");
+    }
     if (!idle) {  // about 40 x 256 MiB: several hundred ms of copies, longer than the maps below
       for (int i = 0; i < 40; ++i) {
         const cudaError_t e = d2h ? cudaMemcpyAsync(host, dev, copy_bytes, cudaMemcpyDeviceToHost, copies)
@@ -156,29 +174,45 @@ void map_under_copies(Probe& p, const char* load) {
         }
       }
     }
-    std::vector<double> us;
+    std::vector<double> total;
+    std::vector<double> maps;
+    std::vector<double> access;
     for (int i = 0; i < 30; ++i) {
       const auto t0 = std::chrono::steady_clock::now();
-      p.must(p.map(va, pages * p.page, 0, h), "cuMemMap");
+      for (std::size_t k = 0; k < c.handles; ++k) {
+        p.must(p.api.mem_map(va + k * bytes, bytes, 0, hs[k], 0), "cuMemMap");
+      }
+      const auto t1 = std::chrono::steady_clock::now();
+      p.must(p.api.mem_set_access(va, c.handles * bytes, &p.access, 1), "cuMemSetAccess");
       const double t = since_us(t0);
       // Only maps made while the copies still ran count under a load.
       if (idle || cudaStreamQuery(copies) == cudaErrorNotReady) {
-        us.push_back(t);
+        total.push_back(t);
+        maps.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+        access.push_back(since_us(t1));
       }
-      p.must(p.api.mem_unmap(va, pages * p.page), "cuMemUnmap");
+      p.must(p.api.mem_unmap(va, c.handles * bytes), "cuMemUnmap");
     }
     if (!idle) {
       cudaStreamSynchronize(copies);
     }
     char name[64];
-    std::snprintf(name, sizeof name, "map_%zup_%s", pages, load);
-    if (us.empty()) {
+    if (c.handles == 1) {
+      std::snprintf(name, sizeof name, "map_%zup_%s", c.pages, load);
+    } else {
+      std::snprintf(name, sizeof name, "map_%zux%zup_%s", c.handles, c.pages, load);
+    }
+    if (total.empty()) {
       std::printf("PROBE %s: not measured (the copies finished before the first map)\n", name);
     } else {
-      p.report(name, CUDA_SUCCESS, us);
+      p.report(name, CUDA_SUCCESS, total);
+      std::printf("PROBE %s_parts: cuMemMap median %.1f us, cuMemSetAccess median %.1f us\n", name,
+                  median(maps), median(access));
     }
-    p.must(p.api.mem_release(h), "cuMemRelease");
-    p.must(p.api.mem_address_free(va, pages * p.page), "cuMemAddressFree");
+    for (auto h : hs) {
+      p.must(p.api.mem_release(h), "cuMemRelease");
+    }
+    p.must(p.api.mem_address_free(va, c.handles * bytes), "cuMemAddressFree");
   }
   if (!idle) {
     cudaStreamDestroy(copies);
