@@ -152,6 +152,7 @@ import datetime as _dt
 import json
 import math
 import os
+import re
 import platform
 import select
 import shlex
@@ -824,7 +825,8 @@ class Zygote:
 
     def __init__(self, config: str, tmp: Path) -> None:
         self.config = config
-        self.log_path = tmp / f"zygote_{config.replace(':', '_')}.log"
+        # A configuration may carry a path (+env:CACHEALLOC_LIBRARY=/...): keep the name one file.
+        self.log_path = tmp / f"zygote_{re.sub(r'[^A-Za-z0-9_.=+-]', '_', config)}.log"
         self.info: dict[str, Any] = {}
         self._log = open(self.log_path, "w")
         env = child_env(config)
@@ -882,7 +884,7 @@ def make_spec(args: argparse.Namespace, workload: str, config: str, rep: int, st
     return {"workload": workload, "config": config, "rep": rep, "steps": steps, "warmup": warmup,
             "seed": args.seed, "scale": args.scale, "device": args.device, "sample_ms": args.sample_ms,
             "timeout_s": args.timeout_s,
-            "result": str(tmp / f"{workload}_{config.replace(':', '_')}_{rep}_{time.monotonic_ns()}.json")}
+            "result": str(tmp / f"{workload}_{re.sub(r'[^A-Za-z0-9_.=+-]', '_', config)}_{rep}_{time.monotonic_ns()}.json")}
 
 
 def _read_result(spec: dict[str, Any], exit_code: Optional[int], extra: str = "") -> dict[str, Any]:
