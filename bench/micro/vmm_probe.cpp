@@ -46,6 +46,21 @@
 // an allocator must hand out only mapped memory.
 // Run last: a kernel that touched unmapped pages would leave the context unusable.
 //
+// Note [Access behind a stream wait]
+// Session 30's probe of Note [Maps while copy engines run] on the H100 found cuMemMap itself
+// cheap (1-2 us per handle) and cuMemSetAccess the whole cost of a map: 26 us per handle idle,
+// about 1 ms per handle while device-to-host copies run. A move could then map the pages on the
+// allocating thread (the address is valid when a copy is queued) and have another thread grant
+// the access while the allocating stream waits for it (a cuStreamWaitValue64), if the driver
+// allows work to be queued on pages mapped without access. These questions ask it:
+//   access_behind_wait     kernels queued behind the wait fill and check pages mapped before
+//                          them but granted access only afterwards, by another thread;
+//   memcpy_before_access   cudaMemcpyAsync (host to device) into such pages, queued behind the
+//                          wait: accepted when queued, and the stream finishes without error?
+//   memset_before_access   the same with cudaMemsetAsync.
+// Run after the map questions and before the *_before_map ones (a fault leaves the context
+// unusable, so what follows would fail too).
+//
 // Note [Maps while copy engines run]
 // On the H100 (session 29, bench/results/defrag_session29_2026-12-05.md) defrag's cuMemMap +
 // cuMemSetAccess cost 270-400 us per handle mapped in offload_train, whose copy stream streams
@@ -285,7 +300,7 @@ struct HeldStream {
 // range at the same moment. Returns the line to print.
 std::string map_behind_wait(Probe& p, CUdeviceptr va, std::size_t bytes, CUmemGenericAllocationHandle h,
                             CUdeviceptr busy, std::size_t busy_bytes, bool unmap_busy,
-                            std::vector<double>& enqueue_us) {
+                            std::vector<double>& enqueue_us, bool access_only = false) {
   namespace gt = cachealloc::gpu_test;
   if (p.api.stream_wait_value64 == nullptr) {
     return "rejected (the driver has no cuStreamWaitValue64)";
@@ -295,6 +310,12 @@ std::string map_behind_wait(Probe& p, CUdeviceptr va, std::size_t bytes, CUmemGe
     return "rejected (setup failed)";
   }
   std::string verdict;
+  if (access_only) {  // Note [Access behind a stream wait]: mapped here, access granted later
+    const CUresult r = p.api.mem_map(va, bytes, 0, h, 0);
+    if (r != CUDA_SUCCESS) {
+      return "rejected (cuMemMap: " + error_text(p.api, r) + ")";
+    }
+  }
   gt::launch_spin(2'000'000, held.stream);  // about 1 ms at 2 GHz: the kernels below are queued ahead
   const auto t0 = std::chrono::steady_clock::now();
   const CUresult wr = held.hold(p);
@@ -313,7 +334,7 @@ std::string map_behind_wait(Probe& p, CUdeviceptr va, std::size_t bytes, CUmemGe
     unmapper = std::async(std::launch::async, [&] { return p.api.mem_unmap(busy, busy_bytes); });
   }
   auto mapper = std::async(std::launch::async, [&] {
-    const CUresult r = p.map(va, bytes, 0, h);
+    const CUresult r = access_only ? p.api.mem_set_access(va, bytes, &p.access, 1) : p.map(va, bytes, 0, h);
     held.release();
     return r;
   });
@@ -324,7 +345,8 @@ std::string map_behind_wait(Probe& p, CUdeviceptr va, std::size_t bytes, CUmemGe
   }
   const CUresult mr = mapper.get();
   if (verdict.empty() && mr != CUDA_SUCCESS) {
-    verdict = "rejected (cuMemMap: " + error_text(p.api, mr) + ")";
+    verdict = std::string(access_only ? "rejected (cuMemSetAccess: " : "rejected (cuMemMap: ") +
+              error_text(p.api, mr) + ")";
   }
   if (unmap_busy) {
     const CUresult ur = unmapper.get();
@@ -355,7 +377,7 @@ std::string map_behind_wait(Probe& p, CUdeviceptr va, std::size_t bytes, CUmemGe
 // Note [Mapping behind a stream wait]: whether the runtime queues a copy or a memset into pages
 // that are mapped only after the call (the stream held behind the wait meanwhile). Returns the line.
 std::string copy_before_map(Probe& p, CUdeviceptr va, std::size_t bytes, CUmemGenericAllocationHandle h,
-                            bool memset) {
+                            bool memset, bool access_only = false) {
   if (p.api.stream_wait_value64 == nullptr) {
     return "rejected (the driver has no cuStreamWaitValue64)";
   }
@@ -368,12 +390,19 @@ std::string copy_before_map(Probe& p, CUdeviceptr va, std::size_t bytes, CUmemGe
   if (cudaMallocHost(&src, bytes) != cudaSuccess) {
     return "rejected (setup failed)";
   }
+  if (access_only) {  // Note [Access behind a stream wait]: mapped, no access yet
+    const CUresult r = p.api.mem_map(va, bytes, 0, h, 0);
+    if (r != CUDA_SUCCESS) {
+      cudaFreeHost(src);
+      return "rejected (cuMemMap: " + error_text(p.api, r) + ")";
+    }
+  }
   const CUresult wr = held.hold(p);
   const cudaError_t queued = memset ? cudaMemsetAsync(reinterpret_cast<void*>(va), 0, bytes, held.stream)
                                     : cudaMemcpyAsync(reinterpret_cast<void*>(va), src, bytes,
                                                       cudaMemcpyHostToDevice, held.stream);
   (void)cudaGetLastError();  // a rejected call leaves its error behind
-  const CUresult mr = p.map(va, bytes, 0, h);
+  const CUresult mr = access_only ? p.api.mem_set_access(va, bytes, &p.access, 1) : p.map(va, bytes, 0, h);
   held.release();
   const cudaError_t sync = held.finish();
   std::string verdict;
@@ -386,7 +415,7 @@ std::string copy_before_map(Probe& p, CUdeviceptr va, std::size_t bytes, CUmemGe
   } else {
     verdict = "ok";
   }
-  if (mr == CUDA_SUCCESS) {
+  if (mr == CUDA_SUCCESS || access_only) {
     p.api.mem_unmap(va, bytes);
   }
   if (sync == cudaSuccess) {
@@ -503,6 +532,22 @@ int main() {
                     v.empty() ? 0.0 : v[v.size() / 2], v.size());
         if (verdict != "ok") {
           break;  // the context may be unusable now
+        }
+      }
+      // Note [Access behind a stream wait]: the same with the pages mapped at once and only
+      // the access granted by the other thread (kernels first, then the copy and the memset).
+      {
+        std::vector<double> us;
+        std::string verdict = "ok";
+        for (int round = 0; round < 5 && verdict == "ok"; ++round) {
+          verdict = map_behind_wait(p, c, m * p.page, hc, busy, m * p.page, false, us, /*access_only=*/true);
+        }
+        std::printf("PROBE access_behind_wait: %s\n", verdict.c_str());
+        if (verdict == "ok") {
+          for (const bool memset : {false, true}) {
+            std::printf("PROBE %s: %s\n", memset ? "memset_before_access" : "memcpy_before_access",
+                        copy_before_map(p, c, m * p.page, hc, memset, /*access_only=*/true).c_str());
+          }
         }
       }
       for (const bool memset : {false, true}) {
