@@ -90,10 +90,18 @@ TEST_CASE("cuda_runtime: cudaMalloc, out of memory, pooled events", "[gpu][runti
 
   SECTION("host fences (CACHEALLOC_HOST_FENCES=1): pending while the stream is busy, reached after; no CUDA event") {
     // Note [Host fences instead of events]: H100/H200 support 64-bit stream memory operations.
-    ::setenv("CACHEALLOC_HOST_FENCES", "1", 1);  // read at the backend's first record
+    // Read at the backend's first record. Restored after, so that a whole run of the suite under
+    // CACHEALLOC_HOST_FENCES=1 keeps fences in the sections that follow.
+    const char* fences_env = std::getenv("CACHEALLOC_HOST_FENCES");
+    const std::string saved = fences_env != nullptr ? fences_env : "";
+    ::setenv("CACHEALLOC_HOST_FENCES", "1", 1);
     GPU_REQUIRE_OK(launch_spin(cycles_for_ms(20), s.get()));
     const EventId ev = backend.record_event(s.id());
-    ::unsetenv("CACHEALLOC_HOST_FENCES");
+    if (fences_env != nullptr) {
+      ::setenv("CACHEALLOC_HOST_FENCES", saved.c_str(), 1);
+    } else {
+      ::unsetenv("CACHEALLOC_HOST_FENCES");
+    }
     if (is_hopper_h100_or_h200(test_device())) {
       REQUIRE(backend.event_pool().fences_enabled());
     }
