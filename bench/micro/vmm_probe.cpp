@@ -60,6 +60,9 @@
 //   memset_before_access   the same with cudaMemsetAsync.
 // Run after the map questions and before the *_before_map ones (a fault leaves the context
 // unusable, so what follows would fail too).
+// On the H100 (session 30, bench/results/defrag_session30_2026-12-05.md): access_behind_wait ok,
+// both copies rejected with cudaErrorInvalidValue when queued. The runtime checks a copy's access
+// at enqueue, so an allocator must grant access before it hands the block out.
 //
 // Note [Maps while copy engines run]
 // On the H100 (session 29, bench/results/defrag_session29_2026-12-05.md) defrag's cuMemMap +
@@ -72,6 +75,10 @@
 // median <us> over <k>" (map_8x1p_<load> for the run), and on a "_parts" line the medians of the
 // cuMemMap calls and of the cuMemSetAccess call apart, which tell whether the cost is paid per
 // handle or per access call. Only maps made while the copies still ran count under a load.
+// On the H100 (session 30, bench/results/vmm_probe_h100_2026-12-05_s30.txt and _s30b.txt):
+// cuMemMap 1-2 us per handle; cuMemSetAccess 23-26 us for one page idle, 39-43 us for 16, 203-233
+// us for 8 one-page handles, so per handle; while device-to-host copies ran about 1,030 us per
+// handle whatever its size, host-to-device 27-67 us.
 #include "../../allocator/cuda/src/driver_api.h"
 
 #include <cuda_runtime_api.h>
