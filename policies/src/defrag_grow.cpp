@@ -59,6 +59,11 @@
 // A minimum of 4 pages halved the calls again but cost 1.016 on e2e resnet50, 1.010 on e2e gpt2
 // and 1.028 on the growing-KV-caches pattern of tests/policies/test_defrag.cpp; 8 pages, 1.21
 // on its random sizes on eight streams.
+// Session 30's probe (bench/results/defrag_session30_2026-12-05.md) located that per-handle
+// cost: it is cuMemSetAccess, not cuMemMap (1 us), and device-to-host copies running meanwhile
+// raise it to about 1 ms per handle (the offloading job of bench/e2e). Growths in about 8 or 4
+// chunks instead of 16 cut the maps + unmaps of the development set by 30% / 53% but raised its
+// mean peak reserved / peak requested 1.1907 -> 1.1987 / 1.2057: kept at 16.
 // A moved chunk may be larger than the pages a placement lacks: it is taken only when the
 // unmapped hole has room for it, and its extra pages join the fresh mapped hole there (they
 // were free and stay free: no memory is added).
