@@ -110,6 +110,11 @@ std::string error_text(const DriverApi& api, CUresult r) {
   return name;
 }
 
+double median(std::vector<double> v) {
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+  return v[v.size() / 2];
+}
+
 struct Probe {
   const DriverApi& api;
   CUmemAllocationProp prop{};
@@ -136,20 +141,13 @@ struct Probe {
     std::string line = std::string("PROBE ") + name + ": " +
                        (r == CUDA_SUCCESS ? std::string("ok") : "rejected (" + error_text(api, r) + ")");
     if (!us.empty()) {
-      std::vector<double> v = us;
-      std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
       char buf[64];
-      std::snprintf(buf, sizeof buf, " median %.1f us over %zu", v[v.size() / 2], v.size());
+      std::snprintf(buf, sizeof buf, " median %.1f us over %zu", median(us), us.size());
       line += buf;
     }
     std::printf("%s\n", line.c_str());
   }
 };
-
-double median(std::vector<double> v) {
-  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
-  return v[v.size() / 2];
-}
 
 double since_us(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
@@ -532,11 +530,9 @@ int main() {
           }
           verdict = map_behind_wait(p, c, m * p.page, hc, busy, m * p.page, with_unmap, us);
         }
-        std::vector<double> v = us;
-        std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
         std::printf("PROBE %s: %s median %.1f us over %zu (enqueuing the wait)\n",
                     with_unmap ? "map_behind_wait_unmap" : "map_behind_wait", verdict.c_str(),
-                    v.empty() ? 0.0 : v[v.size() / 2], v.size());
+                    us.empty() ? 0.0 : median(us), us.size());
         if (verdict != "ok") {
           break;  // the context may be unusable now
         }
