@@ -219,7 +219,6 @@
 #include "defrag_engine.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <limits>
 #include <utility>
 
@@ -392,8 +391,7 @@ Node* DefragEngine::grow(std::uint32_t kind, std::uint32_t cls, std::size_t size
     }
     counters_.pages_mapped += mapped;
     scratch_.clear();
-    static const bool x_charge = std::getenv("X_CHARGE_PEAK") != nullptr;
-    if ((!new_peak || x_charge) &&
+    if (!new_peak &&
         (counters_.pages_moved != moved_before || counters_.stream_waits != waits_before)) {
       const std::uint64_t now = backend_.clock_ns();
       note_move_time(now, now > started ? now - started : 0, counters_.wait_ns - wait_ns_before);
