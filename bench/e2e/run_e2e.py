@@ -820,13 +820,17 @@ def zygote_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def file_part(config: str) -> str:
+    """The configuration as part of one file name: it may carry a path (+env:CACHEALLOC_LIBRARY=/...)."""
+    return re.sub(r"[^A-Za-z0-9_.=+-]", "_", config)
+
+
 class Zygote:
     """The harness's handle on one configuration's zygote process."""
 
     def __init__(self, config: str, tmp: Path) -> None:
         self.config = config
-        # A configuration may carry a path (+env:CACHEALLOC_LIBRARY=/...): keep the name one file.
-        self.log_path = tmp / f"zygote_{re.sub(r'[^A-Za-z0-9_.=+-]', '_', config)}.log"
+        self.log_path = tmp / f"zygote_{file_part(config)}.log"
         self.info: dict[str, Any] = {}
         self._log = open(self.log_path, "w")
         env = child_env(config)
@@ -884,7 +888,7 @@ def make_spec(args: argparse.Namespace, workload: str, config: str, rep: int, st
     return {"workload": workload, "config": config, "rep": rep, "steps": steps, "warmup": warmup,
             "seed": args.seed, "scale": args.scale, "device": args.device, "sample_ms": args.sample_ms,
             "timeout_s": args.timeout_s,
-            "result": str(tmp / f"{workload}_{re.sub(r'[^A-Za-z0-9_.=+-]', '_', config)}_{rep}_{time.monotonic_ns()}.json")}
+            "result": str(tmp / f"{workload}_{file_part(config)}_{rep}_{time.monotonic_ns()}.json")}
 
 
 def _read_result(spec: dict[str, Any], exit_code: Optional[int], extra: str = "") -> dict[str, Any]:
