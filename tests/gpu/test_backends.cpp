@@ -32,6 +32,38 @@ bool is_hopper_h100_or_h200(int device) {
   return name.find("H200") != std::string::npos || name.find("H100") != std::string::npos;
 }
 
+/// CACHEALLOC_HOST_FENCES set to `value` (nullptr: unset) for the scope, restored after: a
+/// backend reads it at its first record, so a section that tests fences or events sets it around
+/// that record, and a run of the whole suite under CACHEALLOC_HOST_FENCES=1 keeps fences in the
+/// sections that do not.
+class ScopedFencesEnv {
+ public:
+  explicit ScopedFencesEnv(const char* value) {
+    const char* was = std::getenv(kName);
+    had_ = was != nullptr;
+    saved_ = had_ ? was : "";
+    if (value != nullptr) {
+      ::setenv(kName, value, 1);
+    } else {
+      ::unsetenv(kName);
+    }
+  }
+  ~ScopedFencesEnv() {
+    if (had_) {
+      ::setenv(kName, saved_.c_str(), 1);
+    } else {
+      ::unsetenv(kName);
+    }
+  }
+  ScopedFencesEnv(const ScopedFencesEnv&) = delete;
+  ScopedFencesEnv& operator=(const ScopedFencesEnv&) = delete;
+
+ private:
+  static constexpr const char* kName = "CACHEALLOC_HOST_FENCES";
+  bool had_ = false;
+  std::string saved_;
+};
+
 }  // namespace
 
 TEST_CASE("factory and device queries", "[gpu][factory]") {
@@ -90,18 +122,11 @@ TEST_CASE("cuda_runtime: cudaMalloc, out of memory, pooled events", "[gpu][runti
 
   SECTION("host fences (CACHEALLOC_HOST_FENCES=1): pending while the stream is busy, reached after; no CUDA event") {
     // Note [Host fences instead of events]: H100/H200 support 64-bit stream memory operations.
-    // Read at the backend's first record. Restored after, so that a whole run of the suite under
-    // CACHEALLOC_HOST_FENCES=1 keeps fences in the sections that follow.
-    const char* fences_env = std::getenv("CACHEALLOC_HOST_FENCES");
-    const std::string saved = fences_env != nullptr ? fences_env : "";
-    ::setenv("CACHEALLOC_HOST_FENCES", "1", 1);
     GPU_REQUIRE_OK(launch_spin(cycles_for_ms(20), s.get()));
-    const EventId ev = backend.record_event(s.id());
-    if (fences_env != nullptr) {
-      ::setenv("CACHEALLOC_HOST_FENCES", saved.c_str(), 1);
-    } else {
-      ::unsetenv("CACHEALLOC_HOST_FENCES");
-    }
+    const EventId ev = [&] {
+      const ScopedFencesEnv fences("1");
+      return backend.record_event(s.id());
+    }();
     if (is_hopper_h100_or_h200(test_device())) {
       REQUIRE(backend.event_pool().fences_enabled());
     }
@@ -157,7 +182,12 @@ TEST_CASE("cuda_runtime: cudaMalloc, out of memory, pooled events", "[gpu][runti
   SECTION("events (the default): pending while the stream is busy, done after; reused from the pool") {
     CudaRuntimeBackend events_only(test_device());
     GPU_REQUIRE_OK(launch_spin(cycles_for_ms(20), s.get()));
-    const EventId ev = events_only.record_event(s.id());
+    // Without the variable, also when the suite runs under CACHEALLOC_HOST_FENCES=1 (that run,
+    // session 31, failed these checks before the variable was cleared here).
+    const EventId ev = [&] {
+      const ScopedFencesEnv events(nullptr);
+      return events_only.record_event(s.id());
+    }();
     CHECK_FALSE(CudaEventPool::is_fence(ev));
     CHECK_FALSE(events_only.event_pool().fences_enabled());
     CHECK_FALSE(events_only.query_event(ev));
