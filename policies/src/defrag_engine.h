@@ -480,10 +480,6 @@ class alignas(64) DefragEngine {
   /// Note [Quiet time pays for a burst]: budget earned in quiet time and not yet spent, in ns.
   double bank_ns_ = 0.0;
   void lower_slack_if_quiet(std::uint64_t now_ns) noexcept;
-  /// A growth to a new peak whose maps took more than peak_charge_us per handle mapped
-  /// (Note [Growths at a new peak that map slowly], defrag_grow.cpp).
-  [[nodiscard]] bool slow_peak_growth(std::uint64_t started_ns,
-                                      std::size_t handles_mapped) const noexcept;
   void note_move_time(std::uint64_t now_ns, std::uint64_t spent_ns,
                       std::uint64_t waited_ns) noexcept;
   /// The slack times `factor` (at least 0.005, at most max_grow_slack), counted as a raise.

@@ -390,11 +390,9 @@ Node* DefragEngine::grow(std::uint32_t kind, std::uint32_t cls, std::size_t size
       mapped += c.pages;
     }
     counters_.pages_mapped += mapped;
-    const std::size_t handles_mapped = scratch_.size();
     scratch_.clear();
-    const bool moved =
-        counters_.pages_moved != moved_before || counters_.stream_waits != waits_before;
-    if (moved && (!new_peak || slow_peak_growth(started, handles_mapped))) {
+    if (!new_peak &&
+        (counters_.pages_moved != moved_before || counters_.stream_waits != waits_before)) {
       const std::uint64_t now = backend_.clock_ns();
       note_move_time(now, now > started ? now - started : 0, counters_.wait_ns - wait_ns_before);
       last_move_ns_ = now;
@@ -405,31 +403,6 @@ Node* DefragEngine::grow(std::uint32_t kind, std::uint32_t cls, std::size_t size
     throw InvariantError("policy defrag: the mapped hole does not cover its placement");
   }
   return carve(f, start, size, cls);
-}
-
-// Note [Growths at a new peak that map slowly]
-// Note [A time budget for moves] leaves growths to a new peak of live bytes uncharged: moving
-// pages there keeps the peak low, and a job reaches its peak only so often. That holds while a
-// map is cheap (cuMemMap + cuMemSetAccess: 23-43 us per handle on an idle H100). But
-// cuMemSetAccess takes about 1 ms per handle while device-to-host copies run (session 30's vmm
-// probe, bench/results/defrag_session30_2026-12-05.md), and a job that streams activations to
-// the host (bench/e2e's offload_train) keeps reaching new peaks in the middle of its copies: it
-// mapped 44-52 handles per step there, 10-13% of its step inside the allocator, none of it
-// charged. With peak_charge_us, a growth to a new peak that moved pages is charged when its
-// time per handle mapped exceeded that many microseconds, so a job whose maps are slow buys
-// time with slack as any churning job does. Off by default until measured on the GPU:
-// replayed from the three offload_train recordings with their maps costing 214 or 1,000 us
-// (--call-cost map=...) and per-stream lags, 150 us cut maps by 6-38% and moved peak memory
-// either way (2.163 -> 2.372 on one, 3.175 -> 3.075 on another).
-bool DefragEngine::slow_peak_growth(std::uint64_t started_ns,
-                                    std::size_t handles_mapped) const noexcept {
-  if (settings_.peak_charge_us <= 0.0 || handles_mapped == 0) {
-    return false;
-  }
-  const std::uint64_t now = backend_.clock_ns();
-  const double us_per_handle = static_cast<double>(now > started_ns ? now - started_ns : 0) /
-                               1e3 / static_cast<double>(handles_mapped);
-  return us_per_handle > settings_.peak_charge_us;
 }
 
 bool DefragEngine::gather_pages(std::size_t count, std::size_t room, std::size_t size,

@@ -455,12 +455,8 @@ TEST_CASE("defrag: settings come from CACHEALLOC_CONF and are validated", "[defr
   CHECK(d.stream_ranges);
   CHECK_FALSE(settings_from("stream_ranges:False").stream_ranges);
   CHECK_THROWS_AS(settings_from("stream_ranges:own"), ConfigError);
-  CHECK(d.peak_charge_us == 0.0);
-  CHECK(settings_from("peak_charge_us:150").peak_charge_us == 150.0);
-  CHECK_THROWS_AS(settings_from("peak_charge_us:-1"), ConfigError);
-  CHECK_THROWS_AS(settings_from("peak_charge_us:slow"), ConfigError);
   const auto keys = DefragPolicy::config_keys();
-  CHECK(keys.size() == 13);
+  CHECK(keys.size() == 12);
 }
 
 TEST_CASE("defrag: keep_small_mb keeps freed small blocks for their stream and size",
@@ -1617,63 +1613,6 @@ TEST_CASE("defrag: the slack rises when moving pages takes more than move_budget
   } else {
     CHECK(c.budget_raises == 0);
   }
-}
-
-TEST_CASE("defrag: growths to a new peak are charged to the time budget only when their maps "
-          "are slower than peak_charge_us per handle", "[defrag][patterns]") {
-  // Note [Growths at a new peak that map slowly] (defrag_grow.cpp). A job whose live bytes keep
-  // rising (a growing cache): each step allocates 16 blocks a little larger than the last
-  // step's, frees every other one, and then one block larger than the holes, so its pages move
-  // from them at a new peak of live bytes. A fast host (2 us per call) and an H200's cost per
-  // map: the moves take most of the time, but uncharged the slack never rises on time. Charged
-  // above 1 us per handle, it does; above 1 s per handle, never.
-  const auto run = [](const std::string& conf) {
-    Workload w(conf, 2'000);
-    std::mt19937_64 rng(11);
-    std::vector<void*> live;
-    for (int step = 0; step < 40; ++step) {
-      std::vector<std::pair<void*, std::size_t>> temps;
-      for (int i = 0; i < 16; ++i) {
-        const std::size_t bytes = (3 + static_cast<std::size_t>(step) / 4) * MiB + rng() % MiB;
-        temps.emplace_back(w.alloc(bytes), bytes);
-      }
-      std::size_t freed = 0;
-      for (std::size_t i = 0; i < temps.size(); ++i) {
-        if (i % 2 == 0) {
-          w.free(temps[i].first);
-          freed += temps[i].second;
-        } else {
-          live.push_back(temps[i].first);
-        }
-      }
-      live.push_back(w.alloc(freed + 8 * MiB));  // above the step's peak
-    }
-    const DefragCounters c = w.allocator().policy().counters();
-    for (void* p : live) {
-      w.free(p);
-    }
-    return c;
-  };
-  const auto show = [](const DefragCounters& c) {
-    std::ostringstream o;
-    o << c.chunks_moved << " chunks moved, " << c.move_ns / 1000 << " us charged, "
-      << c.budget_raises << " raises on time, slack " << c.slack;
-    return o.str();
-  };
-  const DefragCounters off = run("max_grow_slack:0.25");
-  const DefragCounters cheap = run("max_grow_slack:0.25,peak_charge_us:1");
-  const DefragCounters dear = run("max_grow_slack:0.25,peak_charge_us:1000000");
-  INFO("uncharged: " << show(off));
-  INFO("charged above 1 us per handle: " << show(cheap));
-  INFO("charged above 1 s per handle: " << show(dear));
-  CHECK(off.chunks_moved > 0);
-  CHECK(off.move_ns == 0);
-  CHECK(off.budget_raises == 0);
-  CHECK(cheap.move_ns > 0);
-  CHECK(cheap.budget_raises >= 1);
-  CHECK(cheap.chunks_moved < off.chunks_moved);
-  CHECK(dear.move_ns == 0);
-  CHECK(dear.chunks_moved == off.chunks_moved);
 }
 
 TEST_CASE("defrag: moves over the budget by waiting for the stream switch to moving pending, "

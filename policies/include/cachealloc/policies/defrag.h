@@ -66,10 +66,6 @@
 //                     PyTorch's expandable segments keep one range per stream; pages still move
 //                     between the ranges (default True; Note [Address ranges of their own for
 //                     streams], defrag_grow.cpp)
-//   peak_charge_us    a growth to a new peak of live bytes that moved pages is charged to
-//                     move_budget, as other moves are, when its maps took more than this many
-//                     microseconds per handle (default 0: never; Note [Growths at a new peak
-//                     that map slowly], defrag_grow.cpp)
 //
 // Note [Which requests are small]
 // Small blocks get an address range of their own because they share pages many to a page and
@@ -150,8 +146,6 @@ struct DefragSettings {
   std::size_t keep_small_bytes = 0;  ///< freed small blocks kept for reuse at their size (0: none)
   /// Note [Address ranges of their own for streams] (defrag_grow.cpp)
   bool stream_ranges = true;
-  /// Note [Growths at a new peak that map slowly] (defrag_grow.cpp); 0 = never charged
-  double peak_charge_us = 0.0;
 };
 
 /// What the policy did to the device, beyond the backend's own map/unmap counters.
