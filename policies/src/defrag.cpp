@@ -740,7 +740,7 @@ void DefragEngine::make_live(Node* n) noexcept {
 std::vector<std::string_view> DefragPolicy::config_keys() {
   return {"va_reserve_gb", "grow_slack", "max_grow_slack", "move_budget", "small_size",
           "wait_for_streams", "move_pending", "pending_on_waits", "avoid_queued_unmaps",
-          "max_chunk_mb", "keep_small_mb", "stream_ranges", "slow_map_us"};
+          "max_chunk_mb", "keep_small_mb", "stream_ranges"};
 }
 
 DefragSettings DefragPolicy::parse_settings(Config& config) {
@@ -785,9 +785,6 @@ DefragSettings DefragPolicy::parse_settings(Config& config) {
   }
   if (auto own = config.take_bool("stream_ranges")) {
     s.stream_ranges = *own;
-  }
-  if (auto us = config.take_double("slow_map_us", 0.0, 1e6)) {
-    s.slow_map_us = *us;
   }
   return s;
 }

@@ -50,9 +50,6 @@ inline constexpr std::size_t kChunksPerGrowth = 16;
 inline constexpr std::uint64_t kBudgetBankNs = 10'000'000'000;
 /// ...of at least this many pages each (or the whole growth when it is smaller).
 inline constexpr std::size_t kMinChunkPages = 2;
-/// While maps are slow (slow_map_us), a growth creates about this many chunks instead
-/// (Note [Fewer chunks while maps are slow], defrag_grow.cpp).
-inline constexpr std::size_t kChunksPerSlowGrowth = 4;
 /// With several streams, frees after which the next allocation closes the epoch, while the
 /// policy missed since the last such close (Note [Epochs on demand], defrag.cpp).
 inline constexpr std::uint32_t kEpochFrees = 8;
@@ -482,11 +479,6 @@ class alignas(64) DefragEngine {
   double slack_before_budget_ = 0.0;
   /// Note [Quiet time pays for a burst]: budget earned in quiet time and not yet spent, in ns.
   double bank_ns_ = 0.0;
-  /// Note [Fewer chunks while maps are slow]: the recent time per handle mapped, in ns (a moving
-  /// average over growths), and how many chunks a growth creates now.
-  double map_ns_per_handle_ = 0.0;
-  void note_map_time(std::uint64_t ns, std::size_t handles) noexcept;
-  [[nodiscard]] std::size_t chunks_per_growth() const noexcept;
   void lower_slack_if_quiet(std::uint64_t now_ns) noexcept;
   void note_move_time(std::uint64_t now_ns, std::uint64_t spent_ns,
                       std::uint64_t waited_ns) noexcept;

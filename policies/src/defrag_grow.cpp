@@ -375,9 +375,7 @@ Node* DefragEngine::grow(std::uint32_t kind, std::uint32_t cls, std::size_t size
       for (const Chunk& c : scratch_) {
         pieces_.push_back(MapPiece{c.handle, c.pages * page_});
       }
-      const std::uint64_t map_start = backend_.clock_ns();
       vm_.map_run(map_at, pieces_);  // all or nothing
-      note_map_time(backend_.clock_ns() - map_start, pieces_.size());
     } catch (...) {
       if (below != nullptr) {
         recycle(below);
@@ -554,16 +552,14 @@ void DefragEngine::create_pages(std::size_t count) {
   // Note [Chunks]: about kChunksPerGrowth chunks, so that a chunk a live block pins holds at
   // most a small part of the growth that created it. Once the slack rose (Note [Chunks once the
   // slack rose]), chunks hold at least a kChunksPerGrowth-th of what it rose by.
-  // Note [Fewer chunks while maps are slow]: fewer, larger chunks while each map costs more.
-  const std::size_t per_growth = chunks_per_growth();
   std::size_t least = kMinChunkPages;
   if (slack_ > settings_.grow_slack) {
     const double raised = (slack_ - settings_.grow_slack) * static_cast<double>(peak_live_);
     least = std::max(least,
-                     static_cast<std::size_t>(raised / static_cast<double>(page_)) / per_growth);
+                     static_cast<std::size_t>(raised / static_cast<double>(page_)) / kChunksPerGrowth);
   }
   const std::size_t chunk = std::clamp<std::size_t>(
-      count / per_growth, std::min({least, count, max_chunk_pages_}), max_chunk_pages_);
+      count / kChunksPerGrowth, std::min({least, count, max_chunk_pages_}), max_chunk_pages_);
   scratch_.reserve(scratch_.size() + (count + chunk - 1) / chunk);
   while (count > 0) {
     std::size_t pages = std::min(count, chunk);
@@ -579,32 +575,6 @@ void DefragEngine::create_pages(std::size_t count) {
     scratch_.push_back(Chunk{h, pages});
     count -= pages;
   }
-}
-
-// Note [Fewer chunks while maps are slow]
-// Note [Chunks] keeps a growth in about kChunksPerGrowth chunks, at the cost of one access call
-// per chunk mapped: 23-43 us each on an idle H100. But cuMemSetAccess takes about 1 ms per handle
-// while device-to-host copies run (session 30's vmm probe), and a job that offloads activations
-// to the host (bench/e2e's offload_train) maps in the middle of its copies: on the H200 296-360
-// us per handle, 31-37 handles per step, 12-16% of its step inside the allocator (sessions 30-31,
-// bench/results/defrag_session31_2026-12-05.md). So the policy keeps a moving average of the
-// time per handle its maps take, on the backend's clock (in replays the modelled cost, 55 us per
-// map at the H200's default), and while it exceeds slow_map_us a growth creates about
-// kChunksPerSlowGrowth chunks instead: fewer handles to create, map and later move, for the
-// coarser pinning of Note [Chunks] (over the development set, 8 or 4 chunks per growth raised the
-// mean 1.1907 -> 1.1987 / 1.2057). At the modelled costs nothing changes.
-void DefragEngine::note_map_time(std::uint64_t ns, std::size_t handles) noexcept {
-  if (handles == 0) {
-    return;
-  }
-  const double per_handle = static_cast<double>(ns) / static_cast<double>(handles);
-  map_ns_per_handle_ = map_ns_per_handle_ == 0.0 ? per_handle
-                                                 : 0.75 * map_ns_per_handle_ + 0.25 * per_handle;
-}
-
-std::size_t DefragEngine::chunks_per_growth() const noexcept {
-  const bool slow = settings_.slow_map_us > 0.0 && map_ns_per_handle_ > settings_.slow_map_us * 1e3;
-  return slow ? kChunksPerSlowGrowth : kChunksPerGrowth;
 }
 
 PhysicalHandle DefragEngine::create_chunk(std::size_t pages) {

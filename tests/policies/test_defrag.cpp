@@ -455,12 +455,8 @@ TEST_CASE("defrag: settings come from CACHEALLOC_CONF and are validated", "[defr
   CHECK(d.stream_ranges);
   CHECK_FALSE(settings_from("stream_ranges:False").stream_ranges);
   CHECK_THROWS_AS(settings_from("stream_ranges:own"), ConfigError);
-  CHECK(d.slow_map_us == 150.0);
-  CHECK(settings_from("slow_map_us:0").slow_map_us == 0.0);
-  CHECK_THROWS_AS(settings_from("slow_map_us:-5"), ConfigError);
-  CHECK_THROWS_AS(settings_from("slow_map_us:fast"), ConfigError);
   const auto keys = DefragPolicy::config_keys();
-  CHECK(keys.size() == 13);
+  CHECK(keys.size() == 12);
 }
 
 TEST_CASE("defrag: keep_small_mb keeps freed small blocks for their stream and size",
@@ -1108,40 +1104,6 @@ TEST_CASE("defrag: failures while mapping, unmapping or recording leave a consis
     CHECK(b);
     f.use_and_free(b, 2);
   }
-}
-
-TEST_CASE("defrag: while maps are slower than slow_map_us per handle, growths create fewer chunks",
-          "[defrag][chunks]") {
-  // Note [Fewer chunks while maps are slow] (defrag_grow.cpp). Ten growths of 256 MiB (128
-  // pages each, nothing to move) on a simulated device whose maps cost the H200's 55 us per
-  // handle, or 1 ms (as under device-to-host copies). The first growth has no measured cost yet.
-  const auto chunks = [](std::uint64_t map_ns, const std::string& conf) {
-    SimOptions o{.capacity = 16 * kGiB, .granularity = 2 * MiB, .model_call_costs = true};
-    o.costs.map_ns = map_ns;
-    Config config = Config::parse(conf);
-    CachingAllocator<DefragPolicy> a(std::make_unique<SimBackend>(o), config);
-    std::vector<void*> ps;
-    for (int i = 0; i < 10; ++i) {
-      ps.push_back(a.allocate(256 * MiB, 0));
-      a.check_invariants();
-    }
-    const std::uint64_t created = a.policy().counters().chunks_created;
-    for (void* p : ps) {
-      a.deallocate(p);
-    }
-    a.check_invariants();
-    return created;
-  };
-  const std::uint64_t fast = chunks(55'000, "");
-  const std::uint64_t slow = chunks(1'000'000, "");
-  const std::uint64_t slow_off = chunks(1'000'000, "slow_map_us:0");
-  const std::uint64_t slow_high = chunks(1'000'000, "slow_map_us:2000");
-  INFO("chunks created: 55 us per map " << fast << ", 1 ms " << slow << ", 1 ms with slow_map_us:0 "
-                                        << slow_off << ", with slow_map_us:2000 " << slow_high);
-  CHECK(fast == 10 * detail::kChunksPerGrowth);
-  CHECK(slow == detail::kChunksPerGrowth + 9 * detail::kChunksPerSlowGrowth);
-  CHECK(slow_off == fast);
-  CHECK(slow_high == fast);
 }
 
 TEST_CASE("defrag: through the front end, out of memory moves cached pages before failing",

@@ -66,10 +66,6 @@
 //                     PyTorch's expandable segments keep one range per stream; pages still move
 //                     between the ranges (default True; Note [Address ranges of their own for
 //                     streams], defrag_grow.cpp)
-//   slow_map_us       while the policy's maps take more than this many microseconds per handle
-//                     (a moving average), a growth creates about 4 chunks instead of 16: fewer
-//                     device calls for coarser pages to move (default 150; 0: never) (Note
-//                     [Fewer chunks while maps are slow], defrag_grow.cpp)
 //
 // Note [Which requests are small]
 // Small blocks get an address range of their own because they share pages many to a page and
@@ -150,8 +146,6 @@ struct DefragSettings {
   std::size_t keep_small_bytes = 0;  ///< freed small blocks kept for reuse at their size (0: none)
   /// Note [Address ranges of their own for streams] (defrag_grow.cpp)
   bool stream_ranges = true;
-  /// Note [Fewer chunks while maps are slow] (defrag_grow.cpp); 0 = never
-  double slow_map_us = 150.0;
 };
 
 /// What the policy did to the device, beyond the backend's own map/unmap counters.
