@@ -64,6 +64,11 @@
 // raise it to about 1 ms per handle (the offloading job of bench/e2e). Growths in about 8 or 4
 // chunks instead of 16 cut the maps + unmaps of the development set by 30% / 53% but raised its
 // mean peak reserved / peak requested 1.1907 -> 1.1987 / 1.2057: kept at 16.
+// Session 31 made growths use 4 chunks only while the measured map time exceeded 150 us per
+// handle (inert at the replay's costs). On the H100's offload_train it mapped 19.2 handles per
+// step instead of 26.1, but each cost 340 us instead of 249: under device-to-host copies the
+// access call grows with the handle's pages, so the map time per step stayed (6,531 vs 6,493 us)
+// and the change was reverted (bench/results/defrag_session31_2026-12-05.md).
 // A moved chunk may be larger than the pages a placement lacks: it is taken only when the
 // unmapped hole has room for it, and its extra pages join the fresh mapped hole there (they
 // were free and stay free: no memory is added).
