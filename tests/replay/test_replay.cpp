@@ -195,7 +195,8 @@ TEST_CASE("replay: GPU runs of jobs that hand memory between streams replay to t
           "peaks", "[replay][validation]") {
   // bench/validation/gpu_runs (record.log there): offload_train and stream_weights recorded on an
   // H100 under PyTorch's allocator, with and without expandable segments, and under cachealloc's
-  // defrag by its own recorder; offload_train also on an H200 (gpu_runs/h200). Their frees wait for another stream for tens of milliseconds.
+  // defrag by its own recorder; offload_train also on an H200 (gpu_runs/h200). Their frees wait
+  // for another stream for tens of milliseconds.
   // The native model, with the settings each recording names, must make exactly its recorded
   // reservations to its recorded peak (expandable segments included); the defrag recordings'
   // mapped pages must add up to the peak the plugin itself reported in that run (record.log),
