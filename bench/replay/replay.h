@@ -29,9 +29,12 @@
 // waits on: the events of a same-stream free, and whether a page is safe to unmap.
 // Checked against cachealloc's own recordings of defrag on an H100 (bench/validation/gpu_runs,
 // peak reserved replayed with the policy that ran there, against recorded): offload_train -0.8%
-// (-11.6% with no lag), stream_weights +5.4% (-6.6%). Taking a stream's lag as the last late free's wait, held until
-// the next one, was worse (+13.5%, +1.6%): after the host waits (each step ends with a
-// synchronize) the GPU has caught up, which a held lag ignores. With that same policy, on the H200
+// (-11.6% with no lag), stream_weights +5.4% (-6.6%). Taking a stream's lag as the last late
+// free's wait, held until the next one, was worse (+13.5%, +1.6%): after the host waits (each
+// step ends with a synchronize) the GPU has caught up, which a held lag ignores. On two H200
+// recordings of offload_train under defrag (bench/validation/gpu_runs/h200, session 31) it
+// replays +1.6% and -15.4%: the trace's times stay as recorded, so a run whose host queued its
+// copies' frees further ahead is not reproduced. With that same policy, on the H200
 // recordings of the same jobs (bench/validation/recordings{,_b}), it also gave the H200's verdict
 // against expandable segments where no fixed lag did: offload_train above them (3.099 against
 // 3.061 at 0 ms), the second stream_weights below (1.575 against 1.596);
