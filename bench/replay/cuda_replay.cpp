@@ -448,10 +448,7 @@ int run_cuda_command(const PreparedTrace& trace, const CudaCommand& command) {
   std::printf("  peak device: cudaMemGetInfo used bytes above the level before the row, sampled every "
               "%llu operations and after each reservation change of our backends\n",
               static_cast<unsigned long long>(command.sample_every));
-  if (trace.unmatched_frees != 0) {
-    std::printf("  note: %llu frees of blocks allocated before recording started were skipped\n",
-                static_cast<unsigned long long>(trace.unmatched_frees));
-  }
+  std::fputs(skipped_frees_note(trace).c_str(), stdout);
 
   if (!command.json_path.empty()) {
     nlohmann::json j;

@@ -421,10 +421,7 @@ int main(int argc, char** argv) {
                     static_cast<double>(ahead.back()) / 1000);
       }
     }
-    if (prepared.unmatched_frees != 0) {
-      std::printf("  note: %llu frees of blocks allocated before recording started were skipped\n",
-                  static_cast<unsigned long long>(prepared.unmatched_frees));
-    }
+    std::fputs(replay::skipped_frees_note(prepared).c_str(), stdout);
 
     if (!json_path.empty()) {
       nlohmann::json j;

@@ -206,6 +206,14 @@ std::uint64_t stream_peaks_sum(const PreparedTrace& trace) {
   return sum;
 }
 
+std::string skipped_frees_note(const PreparedTrace& trace) {
+  if (trace.unmatched_frees == 0) {
+    return {};
+  }
+  return "  note: " + std::to_string(trace.unmatched_frees) +
+         " frees of blocks allocated before recording started were skipped\n";
+}
+
 namespace {
 /// The --call-cost kinds and the SimCallCosts field each sets.
 constexpr std::pair<const char*, std::uint64_t SimCallCosts::*> kCallCostFields[] = {

@@ -100,6 +100,10 @@ struct PreparedTrace {
 /// The sum of `trace.stream_peaks` (equal to peak_requested with one stream).
 std::uint64_t stream_peaks_sum(const PreparedTrace& trace);
 
+/// The line printed under a table when prepare() skipped frees of blocks allocated before
+/// recording started (newline-terminated); empty when it skipped none.
+std::string skipped_frees_note(const PreparedTrace& trace);
+
 /// Builds the operations for one device of `snapshot` (the device with the most entries when
 /// `device` is unset). Throws trace::TraceError on inconsistent traces.
 PreparedTrace prepare(const trace::Snapshot& snapshot, std::string name,

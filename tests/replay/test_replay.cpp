@@ -238,6 +238,15 @@ TEST_CASE("replay: GPU runs of jobs that hand memory between streams replay to t
   }
 }
 
+TEST_CASE("replay: the note on skipped frees, printed under the sim and the GPU tables",
+          "[replay]") {
+  replay::PreparedTrace t;
+  CHECK(replay::skipped_frees_note(t).empty());
+  t.unmatched_frees = 3;
+  CHECK(replay::skipped_frees_note(t) ==
+        "  note: 3 frees of blocks allocated before recording started were skipped\n");
+}
+
 TEST_CASE("replay: native settings are taken from the trace", "[replay]") {
   trace::AllocatorSettings s;
   s.present = true;
