@@ -192,13 +192,15 @@ COUNTER_KEYS = ("allocator_ns", "alloc_calls", "free_calls", "num_device_alloc",
                 # the VMM backend's unmap thread (Note [Unmapping off the allocating thread])
                 "background_unmaps", "background_unmap_ns", "background_unmap_wait_ns",
                 "num_alloc_retries", "num_ooms",
+                # wait_parked_to_grow (allocator.h)
+                "parked_waits", "parked_wait_ns",
                 # policy defrag's own counters (DefragPolicy::stat_counters())
                 "defrag.pages_moved", "defrag.chunks_moved", "defrag.stream_waits", "defrag.wait_ns",
                 "defrag.move_ns", "defrag.grow_allocations", "defrag.pages_created", "defrag.slack_raises",
                 "defrag.pages_moved_pending", "defrag.placed_past_queued", "defrag.placed_above_queued",
                 "defrag.placed_at_top",
                 "defrag.budget_raises", "defrag.return_raises", "defrag.slack_returns",
-                "defrag.pending_switches",
+                "defrag.pending_switches", "defrag.held_growths",
                 # the slack in force at the end (ppm) and the pages created beyond it (Note [Why
                 # pages were created beyond the slack]): did a run end at max_grow_slack?
                 "defrag.slack_ppm", "defrag.beyond_slack_pages",

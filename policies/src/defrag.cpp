@@ -730,6 +730,7 @@ void DefragEngine::make_live(Node* n) noexcept {
   n->stamp = 0;
   live_bytes_ += n->size;
   peak_live_ = std::max(peak_live_, live_bytes_);
+  peak_held_ = std::max(peak_held_, live_bytes_ - std::min(parked_bytes_, live_bytes_));
   ++live_blocks_;
 }
 
@@ -740,7 +741,7 @@ void DefragEngine::make_live(Node* n) noexcept {
 std::vector<std::string_view> DefragPolicy::config_keys() {
   return {"va_reserve_gb", "grow_slack", "max_grow_slack", "move_budget", "small_size",
           "wait_for_streams", "move_pending", "pending_on_waits", "avoid_queued_unmaps",
-          "max_chunk_mb", "keep_small_mb", "stream_ranges"};
+          "max_chunk_mb", "keep_small_mb", "stream_ranges", "slack_counts_parked"};
 }
 
 DefragSettings DefragPolicy::parse_settings(Config& config) {
@@ -786,6 +787,9 @@ DefragSettings DefragPolicy::parse_settings(Config& config) {
   if (auto own = config.take_bool("stream_ranges")) {
     s.stream_ranges = *own;
   }
+  if (auto counts = config.take_bool("slack_counts_parked")) {
+    s.slack_counts_parked = *counts;
+  }
   return s;
 }
 
@@ -809,6 +813,9 @@ void DefragPolicy::deallocate(const Block& block, StreamId /*stream*/) noexcept 
 void DefragPolicy::deallocate_settled(const Block& block, StreamId /*stream*/) noexcept {
   engine_->deallocate(block, /*settled=*/true);
 }
+
+void DefragPolicy::note_parked(std::size_t bytes) noexcept { engine_->note_parked(bytes); }
+void DefragPolicy::hold_growth(bool held) noexcept { engine_->hold_growth(held); }
 
 std::size_t DefragPolicy::release_cached() { return engine_->release_cached(); }
 std::size_t DefragPolicy::reserved_bytes() const noexcept { return engine_->reserved_bytes(); }
@@ -888,6 +895,7 @@ std::vector<std::pair<std::string, std::int64_t>> DefragPolicy::stat_counters() 
           {"defrag.stuck_beside_pages", v(c.stuck_beside_pages)},
           {"defrag.stuck_other_pages", v(c.stuck_other_pages)},
           {"defrag.recent_hits", v(c.recent_hits)},
+          {"defrag.held_growths", v(c.held_growths)},
           {"defrag.slack_ppm", static_cast<std::int64_t>(c.slack * 1e6 + 0.5)}};
 }
 const DefragSettings& DefragPolicy::settings() const noexcept { return engine_->settings(); }

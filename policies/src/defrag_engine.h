@@ -226,6 +226,8 @@ class alignas(64) DefragEngine {
   Block allocate(std::size_t bytes, StreamId stream);
   /// `settled`: every stream finished its work on the block, its own too (stamped as done).
   void deallocate(const Block& block, bool settled = false) noexcept;
+  void note_parked(std::size_t bytes) noexcept { parked_bytes_ = bytes; }
+  void hold_growth(bool held) noexcept { growth_held_ = held; }
   std::size_t release_cached();
   [[nodiscard]] std::size_t reserved_bytes() const noexcept { return held_pages_ * page_; }
   [[nodiscard]] std::size_t live_bytes() const noexcept { return live_bytes_; }
@@ -432,6 +434,9 @@ class alignas(64) DefragEngine {
   std::size_t keep_limit_ = 0;    // settings_.keep_small_bytes
   std::size_t live_bytes_ = 0;
   std::size_t peak_live_ = 0;  // highest live_bytes_ so far (the slack's base)
+  std::size_t parked_bytes_ = 0;  // of live_bytes_, freed but parked by the front end
+  std::size_t peak_held_ = 0;     // highest live_bytes_ - parked_bytes_ so far
+  bool growth_held_ = false;      // create no pages (DefragPolicy::hold_growth)
   std::size_t live_blocks_ = 0;
   std::size_t recent_blocks_ = 0;
   std::uint64_t epoch_ = 1;  // the open epoch: frees now are stamped with it

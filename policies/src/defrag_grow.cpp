@@ -28,6 +28,27 @@
 // belongs to a hole that cannot move yet, which bounds the peak by about max((1 + slack) x peak
 // live, peak live + partly used edge pages).
 //
+// Note [Frees in flight and the slack]
+// A block freed while another stream still uses it (record_stream) stays live for the policy
+// until the front end hands it back (Note [Cross-stream frees], allocator.h). In a job that
+// offloads activations to the host on a copy stream, those frees in flight are most of the
+// policy's live bytes at the peak: bench/e2e offload_train held 4.6 GB allocated and 7-8 GB
+// parked on the H200, so a slack raised to 0.2 by the time budget granted 2.4 GB beyond a peak
+// that was two thirds memory in flight (its H200 runs peaked 9-10% above expandable segments,
+// bench/results/defrag_session31_2026-12-05.md). The slack is there for the layout of the blocks
+// the program holds, so it is measured against the peak of those (live bytes less the parked
+// ones; the front end reports the parked bytes through note_parked), while the peak itself still
+// counts them: the policy may hold up to peak live + slack x peak held. A job that parks nothing
+// behaves as before. Measured in bench/e2e (peak device MiB, median; allocator share of the step)
+// against the earlier base (slack_counts_parked:True): offload_train on an H200 13,224 vs
+// 15,263 (expandable segments 14,004; 4 runs each), 18.2% vs 14.0%; on an H100 10,372 vs 11,316
+// (expandable 12,654; 3 runs), 12.6% vs 10.6%; pipeline, stream_weights, comm_overlap on the
+// H100 within their spread (3,535 vs 3,531; 7,974 vs 7,974; 13,361 vs 13,406). Replayed over the
+// development set (five lags, --stream-lags) the mean moved 1.1968 -> 1.1979, lower on 10 pairs
+// and higher on 7, all of them offload_train and stream_weights recordings, whose replays keep
+// the recorded host's pace and cannot show how the GPU's pace moves with the layout
+// (bench/results/defrag_session32_2026-12-05.md).
+//
 // Note [Chunks]
 // Page by page, growing by 1 GiB cost 512 cuMemCreate and 512 cuMemMap + cuMemSetAccess calls
 // (about 35 ms on the H200), and a training job with changing shapes grows for many steps. So a
@@ -308,6 +329,10 @@ Node* DefragEngine::grow(std::uint32_t kind, std::uint32_t cls, std::size_t size
   if (count == 0) {
     f = hole->prev;  // the block fits in the usable mapped hole on the left
   } else {
+    if (growth_held_) {  // the front end waits for parked frees first (DefragPolicy::hold_growth)
+      ++counters_.held_growths;
+      return nullptr;
+    }
     // Note [Stream affinity]: another stream's safe hole is taken only when the slack does not
     // cover the new pages: it is that stream's cache, and taking it early makes that stream grow.
     if (budget_quiet_ns_ != 0) {
@@ -539,7 +564,11 @@ std::size_t DefragEngine::pages_within_slack(std::size_t size) const noexcept {
   // Note [Where new pages come from]: the slack is measured against the peak of live bytes so
   // far, which bounds the peak reserved exactly as well and moves fewer pages below the peak.
   const std::size_t peak = std::max(peak_live_, live_bytes_ + size);
-  const double allowed = (1.0 + slack_) * static_cast<double>(peak) -
+  std::size_t base = peak;
+  if (!settings_.slack_counts_parked) {  // Note [Frees in flight and the slack]
+    base = std::max(peak_held_, live_bytes_ + size - std::min(parked_bytes_, live_bytes_));
+  }
+  const double allowed = static_cast<double>(peak) + slack_ * static_cast<double>(base) -
                          static_cast<double>(reserved_bytes());
   return allowed > 0 ? static_cast<std::size_t>(allowed / static_cast<double>(page_)) : 0;
 }
@@ -554,6 +583,7 @@ void DefragEngine::create_pages(std::size_t count) {
   if (count == 0 || count > room / page_) {
     return;
   }
+
   // Note [Chunks]: about kChunksPerGrowth chunks, so that a chunk a live block pins holds at
   // most a small part of the growth that created it. Once the slack rose (Note [Chunks once the
   // slack rose]), chunks hold at least a kChunksPerGrowth-th of what it rose by.

@@ -146,6 +146,10 @@ void run_sequence(const std::string& policy, std::uint64_t seed, std::uint64_t o
     }
     a->check_invariants();
   }
+  if (conf.find("wait_parked_to_grow:0,") != std::string::npos) {
+    // The sequence did what it is here for: growths waited for parked frees.
+    CHECK(a->stats().parked_waits > 0);
+  }
   if (conf.find("move_pending:True") != std::string::npos) {
     // The sequence did what it is here for: pages left holes their stream may still use.
     CHECK(a->stats().to_map().at("defrag.pages_moved_pending") > 0);
@@ -184,5 +188,18 @@ TEST_CASE("randomized operation sequences keep every invariant: defrag moving pa
   for (std::uint64_t seed = 1; seed <= 4; ++seed) {
     INFO("seed " << seed);
     run_sequence("defrag", seed, total / 4, "move_pending:True,grow_slack:0");
+  }
+}
+
+TEST_CASE("randomized operation sequences keep every invariant: defrag waiting for parked frees "
+          "instead of growing", "[randomized][defrag]") {
+  // Note [Waiting for frees in flight instead of growing] (allocator.h), and the slack over all
+  // live bytes (Note [Frees in flight and the slack], defrag_grow.cpp).
+  const std::uint64_t total = operations_per_policy();
+  for (std::uint64_t seed = 1; seed <= 4; ++seed) {
+    INFO("seed " << seed);
+    run_sequence("defrag", seed, total / 4,
+                 seed % 2 == 0 ? "wait_parked_to_grow:0,grow_slack:0"
+                               : "wait_parked_to_grow:0.5,slack_counts_parked:True");
   }
 }

@@ -4,6 +4,7 @@
 #include <cachealloc/allocator.h>
 #include <cachealloc/errors.h>
 #include <cachealloc/policies/defrag.h>
+#include <cachealloc/policies/registry.h>
 #include <cachealloc/sim_backend.h>
 
 // The engine's private header, for its index key (Note [One word ranks a hole]).
@@ -455,8 +456,11 @@ TEST_CASE("defrag: settings come from CACHEALLOC_CONF and are validated", "[defr
   CHECK(d.stream_ranges);
   CHECK_FALSE(settings_from("stream_ranges:False").stream_ranges);
   CHECK_THROWS_AS(settings_from("stream_ranges:own"), ConfigError);
+  CHECK_FALSE(d.slack_counts_parked);  // Note [Frees in flight and the slack]
+  CHECK(settings_from("slack_counts_parked:True").slack_counts_parked);
+  CHECK_THROWS_AS(settings_from("slack_counts_parked:parked"), ConfigError);
   const auto keys = DefragPolicy::config_keys();
-  CHECK(keys.size() == 12);
+  CHECK(keys.size() == 13);
 }
 
 TEST_CASE("defrag: keep_small_mb keeps freed small blocks for their stream and size",
@@ -711,7 +715,8 @@ TEST_CASE("defrag: pages under free holes move where memory is needed", "[defrag
   CHECK(m.at("defrag.placed_above_queued") == static_cast<std::int64_t>(after.placed_above_queued));
   CHECK(m.at("defrag.placed_at_top") == static_cast<std::int64_t>(after.placed_at_top));
   CHECK(m.at("defrag.pending_switches") == 0);  // move_pending was set, not switched to
-  CHECK(m.size() == 26);
+  CHECK(m.at("defrag.held_growths") == 0);      // no front end held its growth
+  CHECK(m.size() == 27);
 }
 
 TEST_CASE("defrag: a growth is placed away from a range whose unmap still waits for its stream",
@@ -1918,6 +1923,197 @@ TEST_CASE("defrag: far over the time budget, the slack rises before a window is 
   CHECK(growths_after_raise > 0);
   for (void* p : weights) {
     w.free(p);
+  }
+}
+
+namespace {
+
+/// An offloading job's steps through the front end (Note [Frees in flight and the slack]): each
+/// step allocates activations on stream 1 and frees them after handing them to a copy stream
+/// (record_stream 2), which finishes only every few activations; some stay live for the step's
+/// backward pass. Returns the peak reserved bytes; checks the invariants after every call and
+/// that no block is handed out while another stream may still use it.
+struct OffloadRun {
+  std::size_t peak_reserved = 0;
+  std::size_t peak_live = 0;  // policy's view: allocated + parked
+  std::size_t peak_held = 0;  // allocated only
+  double slack = 0;
+  std::uint64_t parked_waits = 0;
+};
+
+OffloadRun run_offload_steps(const std::string& conf, std::uint64_t seed) {
+  auto owned = std::make_unique<OracleBackend>(8 * kGiB);
+  OracleBackend& oracle = *owned;
+  Config config = Config::parse(conf);
+  CachingAllocator<DefragPolicy> a(std::move(owned), config);
+  std::mt19937_64 rng(seed);
+  OffloadRun run;
+  const auto note = [&] {
+    a.check_invariants();
+    REQUIRE(oracle.violations().empty());
+    const Stats st = a.stats();
+    run.peak_reserved = std::max(run.peak_reserved, static_cast<std::size_t>(st.reserved_bytes.current));
+    run.peak_held = std::max(run.peak_held, static_cast<std::size_t>(st.allocated_bytes.current));
+    run.peak_live = std::max(run.peak_live, a.policy().live_bytes());
+  };
+  for (int step = 0; step < 12; ++step) {
+    std::vector<void*> kept;
+    for (int i = 0; i < 32; ++i) {
+      const std::size_t size = (2 + rng() % 126) * MiB;
+      void* p = a.allocate(size, 1);
+      const auto va = reinterpret_cast<std::uintptr_t>(p);
+      oracle.use(1, va, size);
+      note();
+      if (rng() % 8 == 0) {
+        kept.push_back(p);
+        continue;
+      }
+      a.record_stream(p, 2);  // the copy to the host
+      oracle.use(2, va, size);
+      a.deallocate(p);
+      note();
+      if (i % 8 == 7) {
+        oracle.complete(2);  // the copy stream caught up with the copies queued so far
+      }
+      if (i % 3 == 2) {
+        oracle.complete(1);
+      }
+    }
+    for (void* p : kept) {
+      a.deallocate(p);
+      note();
+    }
+  }
+  oracle.complete(1);
+  oracle.complete(2);
+  a.empty_cache();
+  a.check_invariants();
+  run.slack = a.policy().counters().slack;
+  run.parked_waits = a.stats().parked_waits;
+  return run;
+}
+
+}  // namespace
+
+TEST_CASE("defrag: the slack is measured against the bytes the program holds, not its frees in "
+          "flight", "[defrag][streams]") {
+  // Note [Frees in flight and the slack]. Slack fixed at 0.5. Stream 1 allocates four 100 MiB
+  // activations with a small kept block after each, hands each to the copy stream and frees it
+  // (parked), then keeps a 100 MiB block: 506 MiB live, 400 of them parked, 106 held. Both
+  // streams finish; the four 100 MiB holes come back apart. A 150 MiB request fits none of them.
+  // Measured over all live bytes (peak 506 MiB) the slack covers its 75 pages with new ones; over
+  // the held bytes (peak 106, 256 with the request) it allows 0.5 x 256 = 128 MiB of new pages,
+  // and the rest moves from the holes.
+  const bool counts_parked = GENERATE(false, true);
+  CAPTURE(counts_parked);
+  auto owned = std::make_unique<OracleBackend>(4 * kGiB);
+  OracleBackend& oracle = *owned;
+  Config config = Config::parse(std::string("grow_slack:0.5,max_grow_slack:0.5,move_budget:1,small_size:0,"
+                                            "slack_counts_parked:") +
+                                (counts_parked ? "True" : "False"));
+  CachingAllocator<DefragPolicy> a(std::move(owned), config);
+  std::vector<void*> kept;
+  for (int i = 0; i < 4; ++i) {
+    void* x = a.allocate(100 * MiB, 1);
+    const auto va = reinterpret_cast<std::uintptr_t>(x);
+    oracle.use(1, va, 100 * MiB);
+    kept.push_back(a.allocate(2 * MiB, 1));
+    a.record_stream(x, 2);
+    oracle.use(2, va, 100 * MiB);
+    a.deallocate(x);
+  }
+  kept.push_back(a.allocate(100 * MiB, 1));
+  REQUIRE(a.pending_frees() == 4);
+  const std::int64_t before = a.stats().reserved_bytes.current;
+  CHECK(before >= static_cast<std::int64_t>(506 * MiB));
+  CHECK(before <= static_cast<std::int64_t>(508 * MiB));  // a chunk rounded up to two pages
+  oracle.complete(1);
+  oracle.complete(2);
+  const DefragCounters c0 = a.policy().counters();
+  void* q = a.allocate(150 * MiB, 1);
+  CHECK(a.pending_frees() == 0);
+  const DefragCounters c1 = a.policy().counters();
+  const std::int64_t after = a.stats().reserved_bytes.current;
+  if (counts_parked) {
+    CHECK(after == before + static_cast<std::int64_t>(150 * MiB));
+    CHECK(c1.pages_moved == c0.pages_moved);
+  } else {
+    CHECK(after == before + static_cast<std::int64_t>(128 * MiB));
+    CHECK(c1.pages_moved - c0.pages_moved == 11);
+  }
+  CHECK(oracle.violations().empty());
+  a.deallocate(q);
+  for (void* k : kept) {
+    a.deallocate(k);
+  }
+  a.check_invariants();
+  // An offloading job's steps keep every invariant and the stream oracle either way.
+  const OffloadRun run = run_offload_steps(counts_parked ? "slack_counts_parked:True" : "", 3);
+  CHECK(run.peak_live > 2 * run.peak_held);
+}
+
+TEST_CASE("defrag: wait_parked_to_grow waits for frees in flight instead of growing",
+          "[defrag][streams][core]") {
+  // Note [Waiting for frees in flight instead of growing] (allocator.h).
+  SECTION("a request the parked free covers waits for it and takes its memory") {
+    auto owned = std::make_unique<OracleBackend>(4 * kGiB);
+    OracleBackend& oracle = *owned;
+    Config config = Config::parse("grow_slack:0,wait_parked_to_grow:0");
+    CachingAllocator<DefragPolicy> a(std::move(owned), config);
+    void* p = a.allocate(64 * MiB, 1);
+    const auto va = reinterpret_cast<std::uintptr_t>(p);
+    oracle.use(1, va, 64 * MiB);
+    a.record_stream(p, 2);
+    oracle.use(2, va, 64 * MiB);
+    a.deallocate(p);
+    REQUIRE(a.pending_frees() == 1);
+    const std::int64_t reserved = a.stats().reserved_bytes.current;
+    void* q = a.allocate(64 * MiB, 1);  // stream 2 is busy: without the setting, a growth
+    CHECK(a.pending_frees() == 0);
+    CHECK(a.stats().reserved_bytes.current == reserved);
+    CHECK(a.stats().parked_waits == 1);
+    CHECK(a.policy().counters().held_growths == 1);
+    CHECK_FALSE(oracle.busy(reinterpret_cast<std::uintptr_t>(q), 64 * MiB, 1, /*any=*/false));
+    CHECK(oracle.violations().empty());
+    a.deallocate(q);
+    a.check_invariants();
+  }
+  SECTION("without the setting, or with parked bytes within R x allocated, the policy grows") {
+    const std::string conf = GENERATE(std::string(""), std::string("wait_parked_to_grow:1"));
+    CAPTURE(conf);
+    auto owned = std::make_unique<OracleBackend>(4 * kGiB);
+    OracleBackend& oracle = *owned;
+    Config config = Config::parse("grow_slack:0" + (conf.empty() ? "" : "," + conf));
+    CachingAllocator<DefragPolicy> a(std::move(owned), config);
+    void* live = a.allocate(128 * MiB, 1);  // allocated 128 MiB against 64 MiB parked
+    void* p = a.allocate(64 * MiB, 1);
+    a.record_stream(p, 2);
+    oracle.use(2, reinterpret_cast<std::uintptr_t>(p), 64 * MiB);
+    a.deallocate(p);
+    const std::int64_t reserved = a.stats().reserved_bytes.current;
+    void* q = a.allocate(64 * MiB, 1);
+    CHECK(a.pending_frees() == 1);
+    CHECK(a.stats().reserved_bytes.current > reserved);
+    CHECK(a.stats().parked_waits == 0);
+    a.deallocate(q);
+    a.deallocate(live);
+    a.check_invariants();
+  }
+  SECTION("an offloading job holds about its allocated peak") {
+    const OffloadRun waits = run_offload_steps("wait_parked_to_grow:0", 7);
+    const OffloadRun grows = run_offload_steps("", 7);
+    INFO("peak reserved " << waits.peak_reserved / MiB << " MiB vs " << grows.peak_reserved / MiB
+                          << " MiB; peak held " << waits.peak_held / MiB);
+    CHECK(waits.parked_waits > 0);
+    CHECK(grows.parked_waits == 0);
+    CHECK(waits.peak_reserved < grows.peak_reserved);
+  }
+  SECTION("settings") {
+    Config bad = Config::parse("wait_parked_to_grow:-1");
+    CHECK_THROWS_AS(CachingAllocator<DefragPolicy>(std::make_unique<OracleBackend>(kGiB), bad), ConfigError);
+    Config other = Config::parse("wait_parked_to_grow:0");
+    CHECK_THROWS_WITH(make_allocator("size_class", std::make_unique<SimBackend>(SimOptions{}), other),
+                      Catch::Contains("cannot hold back a growth"));
   }
 }
 

@@ -41,6 +41,31 @@
 // N-th allocation instead; the retry chain still waits for every parked free before it reports
 // out-of-memory, so a longer interval can only delay reuse, never fail an allocation.
 //
+// Note [Waiting for frees in flight instead of growing]
+// Parked frees are memory in flight: a job that offloads activations to the host frees each one
+// once its copy is queued, and the block comes back only when the copy stream got there. The
+// further the host runs ahead of the GPU, the more is in flight, and a policy that grows for
+// it keeps that memory (bench/e2e offload_train on the H200: 4.6 GB allocated and 8 GB parked at
+// the peak, bench/results/defrag_session31_2026-12-05.md). `wait_parked_to_grow:R`
+// (CACHEALLOC_CONF, off by default; a policy with hold_growth(), policy.h: defrag) turns that
+// growth into waiting: while the parked bytes exceed R x the allocated bytes, allocate() first
+// asks the policy with its growth held (mapped holes only, no page created or moved); when that
+// fails it waits for the oldest parked frees until the request's size came back, hands back what
+// else completed, and asks again; the policy grows only once the parked bytes fell to the limit
+// or nothing is parked. The host then waits for the GPU inside the allocator: memory for time.
+// Measured in bench/e2e (peak device MiB, median; allocator share of the step, the waits
+// included; step time), bench/results/defrag_session32_2026-12-05.md:
+//   offload_train, H200, 4 runs: R = 0: 5,628 vs 15,263 for defrag without it (expandable
+//     segments 14,004); 83% of the step in the allocator, nearly all of it waiting (the host had
+//     been that far ahead); step 112.6 vs 107.7 ms (expandable 106.4): the GPU idles at times.
+//   offload_train, H100, 3 runs: R = 0.5: 8,252 vs 11,316 (expandable 12,654), 29%, step 111.1
+//     vs 111.8 ms; R = 1: 10,658, 13%.
+//   stream_weights: R = 0 on an H200 5,404 vs 8,102 (50%); R = 0.5 on an H100 5,432 vs 7,974
+//     (31%); steps within the spread. The pipeline and comm_overlap: unchanged (their growths
+//     find nothing parked beyond the limit, or never wait).
+// So it is a setting for jobs that are short of memory, not a default: the acceptance bar of 1%
+// of the step inside the allocator counts the waits.
+//
 // Note [Cheap statistics on the fast path]
 // A cached alloc+free pair is a few dozen instructions of real work, and keeping five PyTorch
 // statistics (current, peak, cumulative each) was a quarter of it (cachealloc-micro, pair/512 on
@@ -241,6 +266,14 @@ class CachingAllocator final : public DeviceAllocator {
       }
       memo_enabled_ = *v;
     }
+    // Note [Waiting for frees in flight instead of growing]
+    if (auto v = config.take_double("wait_parked_to_grow", 0.0, 1024.0)) {
+      if (!kHoldsGrowth) {
+        throw ConfigError("wait_parked_to_grow: policy " + std::string(P::kName) +
+                          " cannot hold back a growth; use defrag");
+      }
+      wait_parked_ratio_ = *v;
+    }
   }
 
   ~CachingAllocator() override {
@@ -275,7 +308,11 @@ class CachingAllocator final : public DeviceAllocator {
     }
     Block block;
     try {
-      block = try_allocate(bytes, stream);
+      if (parked_count_ != 0 && parked_over_limit()) {
+        block = allocate_before_growth(bytes, stream);
+      } else {
+        block = try_allocate(bytes, stream);
+      }
       if (!block) {
         block = retry_allocate(bytes, stream);
       }
@@ -580,6 +617,7 @@ class CachingAllocator final : public DeviceAllocator {
       }
     }
     pending_.resize(kept);
+    note_parked_to_policy();
     if (wait) {
       ++stats_.num_sync_all_streams;
       if (first_error) {
@@ -700,6 +738,80 @@ class CachingAllocator final : public DeviceAllocator {
     return true;
   }
 
+  /// The policy can refuse to create device memory for a while (policy.h, optional member).
+  static constexpr bool kHoldsGrowth = requires(P& q, bool b) { q.hold_growth(b); };
+
+  /// Note [Waiting for frees in flight instead of growing]: with frees parked, the policy may
+  /// not grow; waits for the oldest parked frees, enough bytes at a time, and tries again; grows
+  /// only once nothing is parked.
+  CACHEALLOC_SLOW_PATH Block allocate_before_growth(std::size_t bytes, StreamId stream) {
+    if constexpr (kHoldsGrowth) {
+      struct Held {
+        P& p;
+        explicit Held(P& q) : p(q) { p.hold_growth(true); }
+        ~Held() { p.hold_growth(false); }
+        Held(const Held&) = delete;
+        Held& operator=(const Held&) = delete;
+      };
+      std::uint64_t started = 0;
+      while (!pending_.empty() && parked_over_limit()) {
+        {
+          Held held(policy_);
+          if (Block b = try_allocate(bytes, stream)) {
+            if (started != 0) {
+              stats_.parked_wait_ns += backend_->clock_ns() - started;
+            }
+            return b;
+          }
+        }
+        if (started == 0) {
+          started = backend_->clock_ns();
+          ++stats_.parked_waits;
+        }
+        if (flush_oldest(bytes) == 0) {
+          break;  // the oldest free's events could not be recorded yet: grow instead
+        }
+      }
+      if (started != 0) {
+        stats_.parked_wait_ns += backend_->clock_ns() - started;
+      }
+    }
+    return try_allocate(bytes, stream);
+  }
+
+  /// Whether the parked frees exceed wait_parked_to_grow x the allocated bytes (never when unset).
+  [[nodiscard]] bool parked_over_limit() const noexcept {
+    return wait_parked_ratio_ >= 0 &&
+           static_cast<double>(parked_bytes_) > wait_parked_ratio_ * static_cast<double>(allocated_.current);
+  }
+
+  /// Waits for the oldest parked frees until at least `bytes` came back (or none is left), then
+  /// hands back whatever else completed without waiting. Returns how many it waited for.
+  std::size_t flush_oldest(std::size_t bytes) {
+    std::size_t back = 0;
+    std::size_t i = 0;
+    BusyStreams none;
+    try {
+      for (; i < pending_.size() && back < bytes; ++i) {
+        Parked& p = pending_[i];
+        if (!events_done(p, /*wait=*/true, none)) {
+          break;  // its events could not be recorded: it stays parked
+        }
+        parked_bytes_ -= static_cast<std::int64_t>(p.block.size);
+        --parked_count_;
+        back += p.block.size;
+        complete_free(p.block, p.requested, p.stream, own_stream_done(p, /*wait=*/false));
+      }
+    } catch (...) {  // a failed wait: the blocks handed back so far leave pending_, the rest stay
+      pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(i));
+      note_parked_to_policy();
+      throw;
+    }
+    pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(i));
+    flush_pending(/*wait=*/false);  // also tells the policy the parked bytes
+    return i;
+  }
+
   /// The policy takes frees that come back settled (policy.h, optional member).
   static constexpr bool kTakesSettled =
       requires(P& q, const Block& b, StreamId s) { q.deallocate_settled(b, s); };
@@ -787,6 +899,14 @@ class CachingAllocator final : public DeviceAllocator {
     pending_.push_back(std::move(p));
     parked_bytes_ += bytes;
     ++parked_count_;
+    note_parked_to_policy();
+  }
+
+  /// Tells a policy that wants to know how many of its live bytes are parked frees (policy.h).
+  void note_parked_to_policy() noexcept {
+    if constexpr (requires(P& q, std::size_t n) { q.note_parked(n); }) {
+      policy_.note_parked(static_cast<std::size_t>(parked_bytes_));
+    }
   }
 
   void record_events(Parked& p) noexcept {
@@ -1058,6 +1178,7 @@ class CachingAllocator final : public DeviceAllocator {
   const MemoOp* memo_end_ = nullptr;
   std::uint64_t memo_served_ = 0;  // calls served since the last memo_sync()
   std::uint32_t poll_interval_ = kDefaultPollInterval;  // Note [Polling parked frees]
+  double wait_parked_ratio_ = -1;  // < 0: off (Note [Waiting for frees in flight instead of growing])
   std::uint32_t allocs_since_poll_ = 0;
   PointerMap<Entry> map_;
   std::vector<Parked> pending_;

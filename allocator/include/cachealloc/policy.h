@@ -28,7 +28,11 @@
 // `void deallocate_settled(const Block& block, StreamId stream) noexcept`: as deallocate, for a
 // block no stream's work can touch any more (its own stream too finished everything queued
 // before the free), so its memory may be reused on any stream or unmapped at once (Note [Frees
-// that come back settled], allocator.h).
+// that come back settled], allocator.h); `void note_parked(std::size_t bytes) noexcept`: how many
+// of the bytes the policy sees live are frees the front end parks for other streams (after
+// every change); `void hold_growth(bool held) noexcept`: while held, allocate() creates no device
+// memory and returns an empty Block instead (Note [Waiting for frees in flight instead of
+// growing], allocator.h).
 #pragma once
 
 #include <cachealloc/backend.h>

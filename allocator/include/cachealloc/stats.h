@@ -74,6 +74,10 @@ struct Stats {
   std::uint64_t background_unmap_ns = 0;
   std::uint64_t background_unmap_wait_ns = 0;
   std::uint64_t usage_errors = 0;       ///< rejected double frees / foreign pointers
+  /// wait_parked_to_grow (Note [Waiting for frees in flight instead of growing], allocator.h):
+  /// growths the policy held back, and the time spent waiting for parked frees instead.
+  std::uint64_t parked_waits = 0;
+  std::uint64_t parked_wait_ns = 0;
   std::uint64_t alloc_ns = 0;           ///< time inside allocate() when timing is on
   std::uint64_t free_ns = 0;            ///< time inside deallocate() when timing is on
   std::uint64_t alloc_calls = 0;

@@ -146,6 +146,9 @@ struct DefragSettings {
   std::size_t keep_small_bytes = 0;  ///< freed small blocks kept for reuse at their size (0: none)
   /// Note [Address ranges of their own for streams] (defrag_grow.cpp)
   bool stream_ranges = true;
+  /// Note [Frees in flight and the slack] (defrag_grow.cpp): true also scales the slack with
+  /// the frees the front end parks for other streams (the policy's behaviour until session 32).
+  bool slack_counts_parked = false;
 };
 
 /// What the policy did to the device, beyond the backend's own map/unmap counters.
@@ -192,6 +195,7 @@ struct DefragCounters {
   std::uint64_t stuck_pinned_pages = 0;  ///< in chunks that go on under a live block or an edge page
   std::uint64_t stuck_beside_pages = 0;  ///< in the placement's own mapped neighbours
   std::uint64_t stuck_other_pages = 0;   ///< movable, not taken (room, the other range's pages)
+  std::uint64_t held_growths = 0;  ///< page creations refused while the front end held growth
   std::uint64_t move_ns = 0;           ///< time spent in growths that moved pages or waited
   std::uint64_t wait_ns = 0;           ///< of which waiting for streams (synchronize_event)
   double slack = 0.0;                  ///< the grow slack in force now
@@ -261,6 +265,12 @@ class DefragPolicy {
   /// A free no stream's work can touch any more: its pages may move at once (Note [Frees that
   /// come back settled], allocator.h).
   void deallocate_settled(const Block& block, StreamId stream) noexcept;
+  /// The bytes of freed blocks the front end holds back for other streams (still live here).
+  void note_parked(std::size_t bytes) noexcept;
+  /// While held, allocate() creates no physical memory: it places blocks in mapped holes or
+  /// moves free pages, else returns an empty block (allocator.h, Note [Waiting for frees in
+  /// flight instead of growing]).
+  void hold_growth(bool held) noexcept;
   /// Waits for every stream that used a free page, then unmaps and releases all wholly free pages.
   std::size_t release_cached();
   [[nodiscard]] std::size_t reserved_bytes() const noexcept;
