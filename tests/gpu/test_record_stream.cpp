@@ -88,4 +88,58 @@ TEST_CASE("record_stream keeps a block from reuse while the other stream uses it
   CHECK(s.reserved_bytes.current == 0);
 }
 
+TEST_CASE("defrag with wait_parked_to_grow waits for the other stream instead of growing",
+          "[gpu][record_stream][defrag]") {
+  // Note [Waiting for frees in flight instead of growing] (allocator.h) on the real device: A is
+  // all the memory defrag holds; a kernel on s2 uses it for ~50 ms; A is freed (parked). The next
+  // request of A's size on s1 cannot be served without growing, so the front end waits for s2's
+  // event: it returns A itself, after s2's kernel finished, and nothing grew.
+  auto alloc = make_gpu_allocator("defrag", "grow_slack:0,wait_parked_to_grow:0");
+  TestStream s1;
+  TestStream s2;
+  constexpr std::uint64_t kSeed = 78;
+  constexpr std::size_t bytes = 8 * kMiB;
+  void* a = alloc->allocate(bytes, s1.id());
+  GPU_REQUIRE_OK(launch_fill(a, bytes, 1, kSeed, s1.get()));
+  cudaEvent_t filled = nullptr;
+  GPU_REQUIRE_OK(cudaEventCreateWithFlags(&filled, cudaEventDisableTiming));
+  GPU_REQUIRE_OK(cudaEventRecord(filled, s1.get()));
+  GPU_REQUIRE_OK(cudaStreamWaitEvent(s2.get(), filled, 0));
+  DeviceCounter mismatches;
+  DeviceCounter checksum;
+  GPU_REQUIRE_OK(launch_hold_and_check(a, bytes, 2, kSeed, cycles_for_ms(50), multiprocessor_count(),
+                                       mismatches.get(), checksum.get(), s2.get()));
+  alloc->record_stream(a, s2.id());
+  alloc->deallocate(a);
+  REQUIRE(alloc->pending_frees() == 1);
+  const bool raced = cudaStreamQuery(s2.get()) == cudaErrorNotReady;
+  (void)cudaGetLastError();
+  const std::int64_t reserved = alloc->stats().reserved_bytes.current;
+  void* b = alloc->allocate(bytes, s1.id());
+  const cudaError_t s2_state = cudaStreamQuery(s2.get());
+  (void)cudaGetLastError();
+  CHECK(s2_state == cudaSuccess);  // the allocation returned only after s2's kernel finished
+  CHECK(b == a);
+  CHECK(alloc->pending_frees() == 0);
+  CHECK(alloc->stats().reserved_bytes.current == reserved);
+  if (raced) {
+    CHECK(alloc->stats().parked_waits == 1);
+  } else {
+    WARN("s2's kernel finished before the allocation; the test did not wait");
+  }
+  GPU_REQUIRE_OK(launch_fill(b, bytes, 3, kSeed, s1.get()));
+  GPU_REQUIRE_OK(cudaStreamSynchronize(s1.get()));
+  GPU_REQUIRE_OK(cudaStreamSynchronize(s2.get()));
+  CHECK(mismatches.read() == 0);
+  CHECK(checksum.read() == expected_checksum(bytes, 2, kSeed));
+  DeviceCounter later;
+  GPU_REQUIRE_OK(launch_verify(b, bytes, 3, kSeed, later.get(), s1.get()));
+  CHECK(later.read() == 0);
+  alloc->deallocate(b);
+  GPU_REQUIRE_OK(cudaEventDestroy(filled));
+  alloc->check_invariants();
+  alloc->empty_cache();
+  CHECK(alloc->stats().reserved_bytes.current == 0);
+}
+
 }  // namespace cachealloc::gpu_test
