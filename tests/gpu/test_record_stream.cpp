@@ -13,6 +13,30 @@
 #include <cstdio>
 
 namespace cachealloc::gpu_test {
+namespace {
+
+/// s1 fills `a` (pattern 1), then a kernel on s2, queued after that fill, writes pattern 2 into
+/// `a`, spins ~50 ms and re-reads it: `mismatches` counts the words another stream changed
+/// meanwhile, `checksum` what it read.
+struct HeldOnS2 {
+  HeldOnS2(void* a, std::size_t bytes, std::uint64_t seed, const TestStream& s1, const TestStream& s2) {
+    GPU_REQUIRE_OK(launch_fill(a, bytes, 1, seed, s1.get()));  // s1's own use of A
+    GPU_REQUIRE_OK(cudaEventCreateWithFlags(&filled, cudaEventDisableTiming));
+    GPU_REQUIRE_OK(cudaEventRecord(filled, s1.get()));
+    GPU_REQUIRE_OK(cudaStreamWaitEvent(s2.get(), filled, 0));
+    GPU_REQUIRE_OK(launch_hold_and_check(a, bytes, 2, seed, cycles_for_ms(50), multiprocessor_count(),
+                                         mismatches.get(), checksum.get(), s2.get()));
+  }
+  ~HeldOnS2() { (void)cudaEventDestroy(filled); }
+  HeldOnS2(const HeldOnS2&) = delete;
+  HeldOnS2& operator=(const HeldOnS2&) = delete;
+
+  cudaEvent_t filled = nullptr;
+  DeviceCounter mismatches;
+  DeviceCounter checksum;
+};
+
+}  // namespace
 
 TEST_CASE("record_stream keeps a block from reuse while the other stream uses it",
           "[gpu][record_stream]") {
@@ -27,16 +51,7 @@ TEST_CASE("record_stream keeps a block from reuse while the other stream uses it
   for (const std::size_t bytes : {std::size_t{64} * kKiB, 8 * kMiB}) {
     INFO("bytes " << bytes);
     void* a = alloc->allocate(bytes, s1.id());
-    GPU_REQUIRE_OK(launch_fill(a, bytes, 1, kSeed, s1.get()));  // s1's own use of A
-    cudaEvent_t filled = nullptr;
-    GPU_REQUIRE_OK(cudaEventCreateWithFlags(&filled, cudaEventDisableTiming));
-    GPU_REQUIRE_OK(cudaEventRecord(filled, s1.get()));
-    GPU_REQUIRE_OK(cudaStreamWaitEvent(s2.get(), filled, 0));
-
-    DeviceCounter mismatches;
-    DeviceCounter checksum;
-    GPU_REQUIRE_OK(launch_hold_and_check(a, bytes, 2, kSeed, cycles_for_ms(50), multiprocessor_count(),
-                                         mismatches.get(), checksum.get(), s2.get()));
+    const HeldOnS2 held(a, bytes, kSeed, s1, s2);
     alloc->record_stream(a, s2.id());
     alloc->deallocate(a);
     CHECK(alloc->pending_frees() == 1);
@@ -62,8 +77,8 @@ TEST_CASE("record_stream keeps a block from reuse while the other stream uses it
 
     GPU_REQUIRE_OK(cudaStreamSynchronize(s2.get()));
     GPU_REQUIRE_OK(cudaStreamSynchronize(s1.get()));
-    CHECK(mismatches.read() == 0);
-    CHECK(checksum.read() == expected_checksum(bytes, 2, kSeed));
+    CHECK(held.mismatches.read() == 0);
+    CHECK(held.checksum.read() == expected_checksum(bytes, 2, kSeed));
 
     DeviceCounter later_mismatches;
     for (int i = 0; i < kReallocations; ++i) {
@@ -78,7 +93,6 @@ TEST_CASE("record_stream keeps a block from reuse while the other stream uses it
     void* c = alloc->allocate(bytes, s1.id());
     CHECK(alloc->pending_frees() == 0);
     alloc->deallocate(c);
-    GPU_REQUIRE_OK(cudaEventDestroy(filled));
   }
   alloc->check_invariants();
   alloc->empty_cache();
@@ -100,15 +114,7 @@ TEST_CASE("defrag with wait_parked_to_grow waits for the other stream instead of
   constexpr std::uint64_t kSeed = 78;
   constexpr std::size_t bytes = 8 * kMiB;
   void* a = alloc->allocate(bytes, s1.id());
-  GPU_REQUIRE_OK(launch_fill(a, bytes, 1, kSeed, s1.get()));
-  cudaEvent_t filled = nullptr;
-  GPU_REQUIRE_OK(cudaEventCreateWithFlags(&filled, cudaEventDisableTiming));
-  GPU_REQUIRE_OK(cudaEventRecord(filled, s1.get()));
-  GPU_REQUIRE_OK(cudaStreamWaitEvent(s2.get(), filled, 0));
-  DeviceCounter mismatches;
-  DeviceCounter checksum;
-  GPU_REQUIRE_OK(launch_hold_and_check(a, bytes, 2, kSeed, cycles_for_ms(50), multiprocessor_count(),
-                                       mismatches.get(), checksum.get(), s2.get()));
+  const HeldOnS2 held(a, bytes, kSeed, s1, s2);
   alloc->record_stream(a, s2.id());
   alloc->deallocate(a);
   REQUIRE(alloc->pending_frees() == 1);
@@ -130,13 +136,12 @@ TEST_CASE("defrag with wait_parked_to_grow waits for the other stream instead of
   GPU_REQUIRE_OK(launch_fill(b, bytes, 3, kSeed, s1.get()));
   GPU_REQUIRE_OK(cudaStreamSynchronize(s1.get()));
   GPU_REQUIRE_OK(cudaStreamSynchronize(s2.get()));
-  CHECK(mismatches.read() == 0);
-  CHECK(checksum.read() == expected_checksum(bytes, 2, kSeed));
+  CHECK(held.mismatches.read() == 0);
+  CHECK(held.checksum.read() == expected_checksum(bytes, 2, kSeed));
   DeviceCounter later;
   GPU_REQUIRE_OK(launch_verify(b, bytes, 3, kSeed, later.get(), s1.get()));
   CHECK(later.read() == 0);
   alloc->deallocate(b);
-  GPU_REQUIRE_OK(cudaEventDestroy(filled));
   alloc->check_invariants();
   alloc->empty_cache();
   CHECK(alloc->stats().reserved_bytes.current == 0);

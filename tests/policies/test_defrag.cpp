@@ -206,6 +206,30 @@ class OracleBackend final : public DeviceBackend, private VirtualMemory {
   bool fail_event_ = false;
 };
 
+/// The front end over defrag on the stream-use oracle, with `conf` (CACHEALLOC_CONF text).
+struct OracleFrontEnd {
+  explicit OracleFrontEnd(const std::string& conf, std::size_t capacity = 4 * kGiB)
+      : OracleFrontEnd(std::make_unique<OracleBackend>(capacity), Config::parse(conf)) {}
+  OracleBackend& oracle;
+  CachingAllocator<DefragPolicy> a;
+
+  /// Allocates `bytes` on `own`, uses them there and on `other` (record_stream) and frees them:
+  /// the front end parks the block until `other` completes. Returns its address.
+  std::uintptr_t park(std::size_t bytes, StreamId own, StreamId other) {
+    void* p = a.allocate(bytes, own);
+    const auto va = reinterpret_cast<std::uintptr_t>(p);
+    oracle.use(own, va, bytes);
+    a.record_stream(p, other);
+    oracle.use(other, va, bytes);
+    a.deallocate(p);
+    return va;
+  }
+
+ private:
+  OracleFrontEnd(std::unique_ptr<OracleBackend> owned, Config config)
+      : oracle(*owned), a(std::move(owned), config) {}
+};
+
 /// A policy on its own simulated device (no front end), checked after every call.
 struct Fixture {
   explicit Fixture(const std::string& conf = "", std::size_t capacity = 8 * kGiB,
@@ -618,17 +642,11 @@ TEST_CASE("defrag: a cross-stream free whose own stream also finished comes back
   // memory is all there is without growing.
   const bool own_done = GENERATE(true, false);
   CAPTURE(own_done);
-  auto owned = std::make_unique<OracleBackend>(4 * kGiB);
-  OracleBackend& oracle = *owned;
-  Config config = Config::parse("grow_slack:0");
-  CachingAllocator<DefragPolicy> a(std::move(owned), config);
+  OracleFrontEnd f("grow_slack:0");
+  OracleBackend& oracle = f.oracle;
+  CachingAllocator<DefragPolicy>& a = f.a;
   void* keep = a.allocate(20 * MiB, 1);
-  void* p = a.allocate(40 * MiB, 1);
-  const auto va = reinterpret_cast<std::uintptr_t>(p);
-  oracle.use(1, va, 40 * MiB);
-  a.record_stream(p, 2);
-  oracle.use(2, va, 40 * MiB);
-  a.deallocate(p);
+  const std::uintptr_t va = f.park(40 * MiB, 1, 2);
   CHECK(a.pending_frees() == 1);
   oracle.complete(2);
   if (own_done) {
@@ -1942,10 +1960,9 @@ struct OffloadRun {
 };
 
 OffloadRun run_offload_steps(const std::string& conf, std::uint64_t seed) {
-  auto owned = std::make_unique<OracleBackend>(8 * kGiB);
-  OracleBackend& oracle = *owned;
-  Config config = Config::parse(conf);
-  CachingAllocator<DefragPolicy> a(std::move(owned), config);
+  OracleFrontEnd f(conf, 8 * kGiB);
+  OracleBackend& oracle = f.oracle;
+  CachingAllocator<DefragPolicy>& a = f.a;
   std::mt19937_64 rng(seed);
   OffloadRun run;
   const auto note = [&] {
@@ -1998,29 +2015,23 @@ OffloadRun run_offload_steps(const std::string& conf, std::uint64_t seed) {
 TEST_CASE("defrag: the slack is measured against the bytes the program holds, not its frees in "
           "flight", "[defrag][streams]") {
   // Note [Frees in flight and the slack]. Slack fixed at 0.5. Stream 1 allocates four 100 MiB
-  // activations with a small kept block after each, hands each to the copy stream and frees it
-  // (parked), then keeps a 100 MiB block: 506 MiB live, 400 of them parked, 106 held. Both
+  // activations, hands each to the copy stream and frees it (parked), with a small kept block
+  // after each, then keeps a 100 MiB block: 506 MiB live, 400 of them parked, 106 held. Both
   // streams finish; the four 100 MiB holes come back apart. A 150 MiB request fits none of them.
   // Measured over all live bytes (peak 506 MiB) the slack covers its 75 pages with new ones; over
   // the held bytes (peak 106, 256 with the request) it allows 0.5 x 256 = 128 MiB of new pages,
   // and the rest moves from the holes.
   const bool counts_parked = GENERATE(false, true);
   CAPTURE(counts_parked);
-  auto owned = std::make_unique<OracleBackend>(4 * kGiB);
-  OracleBackend& oracle = *owned;
-  Config config = Config::parse(std::string("grow_slack:0.5,max_grow_slack:0.5,move_budget:1,small_size:0,"
-                                            "slack_counts_parked:") +
-                                (counts_parked ? "True" : "False"));
-  CachingAllocator<DefragPolicy> a(std::move(owned), config);
+  OracleFrontEnd f(std::string("grow_slack:0.5,max_grow_slack:0.5,move_budget:1,small_size:0,"
+                               "slack_counts_parked:") +
+                   (counts_parked ? "True" : "False"));
+  OracleBackend& oracle = f.oracle;
+  CachingAllocator<DefragPolicy>& a = f.a;
   std::vector<void*> kept;
   for (int i = 0; i < 4; ++i) {
-    void* x = a.allocate(100 * MiB, 1);
-    const auto va = reinterpret_cast<std::uintptr_t>(x);
-    oracle.use(1, va, 100 * MiB);
+    f.park(100 * MiB, 1, 2);
     kept.push_back(a.allocate(2 * MiB, 1));
-    a.record_stream(x, 2);
-    oracle.use(2, va, 100 * MiB);
-    a.deallocate(x);
   }
   kept.push_back(a.allocate(100 * MiB, 1));
   REQUIRE(a.pending_frees() == 4);
@@ -2056,19 +2067,14 @@ TEST_CASE("defrag: wait_parked_to_grow waits for frees in flight instead of grow
           "[defrag][streams][core]") {
   // Note [Waiting for frees in flight instead of growing] (allocator.h).
   SECTION("a request the parked free covers waits for it and takes its memory") {
-    auto owned = std::make_unique<OracleBackend>(4 * kGiB);
-    OracleBackend& oracle = *owned;
-    Config config = Config::parse("grow_slack:0,wait_parked_to_grow:0");
-    CachingAllocator<DefragPolicy> a(std::move(owned), config);
-    void* p = a.allocate(64 * MiB, 1);
-    const auto va = reinterpret_cast<std::uintptr_t>(p);
-    oracle.use(1, va, 64 * MiB);
-    a.record_stream(p, 2);
-    oracle.use(2, va, 64 * MiB);
-    a.deallocate(p);
+    OracleFrontEnd f("grow_slack:0,wait_parked_to_grow:0");
+    OracleBackend& oracle = f.oracle;
+    CachingAllocator<DefragPolicy>& a = f.a;
+    const std::uintptr_t va = f.park(64 * MiB, 1, 2);
     REQUIRE(a.pending_frees() == 1);
     const std::int64_t reserved = a.stats().reserved_bytes.current;
     void* q = a.allocate(64 * MiB, 1);  // stream 2 is busy: without the setting, a growth
+    CHECK(reinterpret_cast<std::uintptr_t>(q) == va);
     CHECK(a.pending_frees() == 0);
     CHECK(a.stats().reserved_bytes.current == reserved);
     CHECK(a.stats().parked_waits == 1);
@@ -2081,15 +2087,10 @@ TEST_CASE("defrag: wait_parked_to_grow waits for frees in flight instead of grow
   SECTION("without the setting, or with parked bytes within R x allocated, the policy grows") {
     const std::string conf = GENERATE(std::string(""), std::string("wait_parked_to_grow:1"));
     CAPTURE(conf);
-    auto owned = std::make_unique<OracleBackend>(4 * kGiB);
-    OracleBackend& oracle = *owned;
-    Config config = Config::parse("grow_slack:0" + (conf.empty() ? "" : "," + conf));
-    CachingAllocator<DefragPolicy> a(std::move(owned), config);
+    OracleFrontEnd f("grow_slack:0" + (conf.empty() ? "" : "," + conf));
+    CachingAllocator<DefragPolicy>& a = f.a;
     void* live = a.allocate(128 * MiB, 1);  // allocated 128 MiB against 64 MiB parked
-    void* p = a.allocate(64 * MiB, 1);
-    a.record_stream(p, 2);
-    oracle.use(2, reinterpret_cast<std::uintptr_t>(p), 64 * MiB);
-    a.deallocate(p);
+    f.park(64 * MiB, 1, 2);
     const std::int64_t reserved = a.stats().reserved_bytes.current;
     void* q = a.allocate(64 * MiB, 1);
     CHECK(a.pending_frees() == 1);
