@@ -1144,6 +1144,13 @@ def summarize(results: list[dict[str, Any]], workloads: list[str], configs: list
                 "slack_paths": [p for r in ok if (p := _slack_path(r))],
                 # Per run of 30 measured steps or more: the allocator's share in each third.
                 "thirds": [t for r in ok if (t := _thirds(r))],
+                # Per run that waited for parked frees instead of growing (wait_parked_to_grow):
+                # the allocator's share of the step without those waits.
+                "pct_without_parked_waits": [
+                    100.0 * (r["allocator_ns_per_step"] - r["counters_delta"]["parked_wait_ns"] / r["steps"])
+                    / (r["median_step_s"] * 1e9)
+                    for r in ok if r.get("counters_delta", {}).get("parked_waits") and r.get("allocator_ns_per_step")
+                    and r.get("median_step_s")],
                 "counters_delta_per_step": {
                     k: statistics.median([r["counters_delta"][k] / r["steps"] for r in ok
                                           if k in r.get("counters_delta", {})])
@@ -1336,6 +1343,16 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any], meta: dict[str, 
                 f"{d.get('defrag.stream_waits', 0):,.2f} waits/step), {d.get('defrag.pages_moved', 0):,.1f} pages "
                 f"moved/step in {d.get('defrag.chunks_moved', 0):,.1f} chunks"
                 for cfg, r in defrag_rows for d in [r["counters_delta_per_step"]]]
+        parked_rows = [(cfg, r) for cfg, r in rows.items() if r.get("pct_without_parked_waits")]
+        if parked_rows:
+            # Note [Waiting for frees in flight instead of growing] (allocator.h): host time spent
+            # waiting for the GPU inside the allocator, and what the allocator cost besides.
+            lines += [""] + [
+                f"- inside {cfg}'s allocator time: {d.get('parked_wait_ns', 0) / 1e3:,.1f} µs/step waiting for frees "
+                f"parked behind other streams instead of growing ({d.get('parked_waits', 0):,.2f} waits/step); "
+                f"without them the allocator took {statistics.median(r['pct_without_parked_waits']):.2f}% of the "
+                f"step (median over runs)"
+                for cfg, r in parked_rows for d in [r["counters_delta_per_step"]]]
         spread_rows = [(cfg, r) for cfg, r in rows.items() if r.get("heaviest_step_share")]
         heavy = [(cfg, r) for cfg, r in rows.items() if r.get("heaviest_steps")]
         if spread_rows:

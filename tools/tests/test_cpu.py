@@ -667,6 +667,20 @@ def test_e2e_report_shows_how_allocator_time_spreads_over_steps(tmp_path):
             "(1.00% of the median step; per run 1.00%)") in md, md
 
 
+def test_e2e_report_shows_time_waiting_for_parked_frees(tmp_path):
+    """--report-from: a run with wait_parked_to_grow reports the time it waited for parked frees
+    and the allocator's share of the step without it."""
+    run = {"workload": "pipeline", "config": "cachealloc:defrag", "rep": 0, "steps": 4, "warmup": 1, "ok": True,
+           "median_step_s": 0.01, "peak_bytes": 3 << 30, "allocator_reserved_peak": 2 << 30,
+           "allocator_ns_per_step": 5_000_000.0, "allocator_pct_of_step": 50.0, "device_calls_per_step": 0.0,
+           "allocs_per_step": 50.0,
+           "counters_delta": {"allocator_ns": 20_000_000, "alloc_calls": 200, "free_calls": 200,
+                              "parked_waits": 6, "parked_wait_ns": 16_000_000}}
+    md = _e2e_report(tmp_path, [run], [1, 4])
+    assert ("4,000.0 µs/step waiting for frees parked behind other streams instead of growing (1.50 waits/step); "
+            "without them the allocator took 10.00% of the step") in md, md
+
+
 def test_e2e_report_shows_defrag_slack_path(tmp_path):
     """--report-from: policy defrag's slack over each run, from the history cachealloc.
     policy_report() gives (Note [A history of the slack]): each change with its time, the new
