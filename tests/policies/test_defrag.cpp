@@ -2079,6 +2079,9 @@ TEST_CASE("defrag: wait_parked_to_grow waits for frees in flight instead of grow
     CHECK(a.stats().reserved_bytes.current == reserved);
     CHECK(a.stats().parked_waits == 1);
     CHECK(a.policy().counters().held_growths == 1);
+    a.reset_accumulated_stats();
+    CHECK(a.stats().parked_waits == 0);
+    CHECK(a.stats().parked_wait_ns == 0);
     CHECK_FALSE(oracle.busy(reinterpret_cast<std::uintptr_t>(q), 64 * MiB, 1, /*any=*/false));
     CHECK(oracle.violations().empty());
     a.deallocate(q);

@@ -384,8 +384,9 @@ def memory_stats(device: DeviceLike = None) -> dict[str, int]:
     ``reserve_ns``, ``release_ns``, ``create_ns``, ``release_physical_ns``, ``map_ns`` and
     ``unmap_ns`` (the time inside each kind of device memory call), ``background_unmaps``,
     ``background_unmap_ns`` and ``background_unmap_wait_ns`` (unmaps run by the VMM backend's own
-    thread, its time in them, and the time allocations waited for them),
-    ``allocator_ns`` (time inside the allocator's
+    thread, its time in them, and the time allocations waited for them), ``parked_waits`` and
+    ``parked_wait_ns`` (allocations that waited for frees parked behind other streams instead of
+    growing, and the time they waited: ``wait_parked_to_grow``), ``allocator_ns`` (time inside the allocator's
     alloc and free, with ``alloc_ns`` and ``free_ns``), ... Without cachealloc: PyTorch's own.
     """
     if not is_enabled() or _full:

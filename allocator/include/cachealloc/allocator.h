@@ -490,6 +490,7 @@ class CachingAllocator final : public DeviceAllocator {
     allocation_.reset_accumulated();
     active_freed_bytes_ = active_freed_count_ = 0;
     stats_.num_alloc_retries = stats_.num_ooms = stats_.num_sync_all_streams = 0;
+    stats_.parked_waits = stats_.parked_wait_ns = 0;
   }
 
   void check_invariants() const override {
@@ -741,9 +742,9 @@ class CachingAllocator final : public DeviceAllocator {
   /// The policy can refuse to create device memory for a while (policy.h, optional member).
   static constexpr bool kHoldsGrowth = requires(P& q, bool b) { q.hold_growth(b); };
 
-  /// Note [Waiting for frees in flight instead of growing]: with frees parked, the policy may
-  /// not grow; waits for the oldest parked frees, enough bytes at a time, and tries again; grows
-  /// only once nothing is parked.
+  /// Note [Waiting for frees in flight instead of growing]: while the parked frees are over the
+  /// limit, the policy may not grow; waits for the oldest of them, enough bytes at a time, and
+  /// tries again; grows only once they are within the limit or none is left.
   CACHEALLOC_SLOW_PATH Block allocate_before_growth(std::size_t bytes, StreamId stream) {
     if constexpr (kHoldsGrowth) {
       struct Held {

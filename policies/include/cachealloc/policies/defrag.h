@@ -66,6 +66,12 @@
 //                     PyTorch's expandable segments keep one range per stream; pages still move
 //                     between the ranges (default True; Note [Address ranges of their own for
 //                     streams], defrag_grow.cpp)
+//   slack_counts_parked  measure the slack against the peak of all live bytes, frees the front
+//                     end parks for other streams included, as before session 32 (default False:
+//                     against the peak of the bytes the program holds; Note [Frees in flight and
+//                     the slack], defrag_grow.cpp)
+// The front end's wait_parked_to_grow (allocator.h) holds this policy's growth (hold_growth) while
+// it waits for parked frees instead.
 //
 // Note [Which requests are small]
 // Small blocks get an address range of their own because they share pages many to a page and
