@@ -43,8 +43,8 @@
 // against the earlier base (slack_counts_parked:True): offload_train on an H200 13,224 vs
 // 15,263 (expandable segments 14,004; 4 runs each), 18.2% vs 14.0%; on an H100 10,372 vs 11,316
 // (expandable 12,654; 3 runs), 12.6% vs 10.6%, and on another H100 10,537 vs 10,904 (expandable
-// 12,884; 4 runs; 6 more runs of the new base 10,779 against 12,694), every H100 run below every
-// expandable one; pipeline, stream_weights, comm_overlap on the
+// 12,884; 4 runs; 16 more runs of the new base on three H100 hosts: 15 below every expandable run
+// of their call); pipeline, stream_weights, comm_overlap on the
 // H100 within their spread (3,535 vs 3,531; 7,974 vs 7,974; 13,361 vs 13,406). Replayed over the
 // development set (five lags, --stream-lags) the mean moved 1.1968 -> 1.1979, lower on 10 pairs
 // and higher on 7, all of them offload_train and stream_weights recordings, whose replays keep
