@@ -533,6 +533,21 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
                   static_cast<unsigned long long>(d.recent_hits),
                   static_cast<unsigned long long>(d.recent_flushes));
     r.detail = line;
+    const std::size_t peak_live = a->policy().peak_live_bytes();
+    const std::size_t peak_held = a->policy().peak_held_bytes();
+    if (peak_live > peak_held) {  // Note [Frees in flight and the slack]
+      const auto mib = [](std::size_t b) { return std::to_string(b / kMiB); };
+      r.detail += a->policy().settings().slack_counts_parked
+                      ? ", the slack over a peak of " + mib(peak_live) +
+                            " MiB live, frees parked for other streams included (held: " + mib(peak_held) +
+                            " MiB)"
+                      : ", the slack over a peak of " + mib(peak_held) + " MiB held (" + mib(peak_live) +
+                            " MiB live with the frees parked for other streams)";
+    }
+    if (d.held_growths != 0) {  // Note [Waiting for frees in flight instead of growing]
+      r.detail += ", " + std::to_string(d.held_growths) +
+                  " growths held back while the front end waited for parked frees";
+    }
     if (d.pages_moved_pending != 0) {  // move_pending (Note [Moving pages a stream still uses])
       r.detail += ", " + std::to_string(d.pages_moved_pending) +
                   " of the pages moved from holes their stream's work still used";

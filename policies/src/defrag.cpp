@@ -900,6 +900,8 @@ std::vector<std::pair<std::string, std::int64_t>> DefragPolicy::stat_counters() 
 }
 const DefragSettings& DefragPolicy::settings() const noexcept { return engine_->settings(); }
 std::size_t DefragPolicy::live_bytes() const noexcept { return engine_->live_bytes(); }
+std::size_t DefragPolicy::peak_live_bytes() const noexcept { return engine_->peak_live_bytes(); }
+std::size_t DefragPolicy::peak_held_bytes() const noexcept { return engine_->peak_held_bytes(); }
 DefragBreakdown DefragPolicy::breakdown() const { return engine_->breakdown(); }
 bool DefragPolicy::placement_repeats() const noexcept { return engine_->placement_repeats(); }
 void DefragPolicy::note_repeated(std::uint64_t allocations) noexcept {

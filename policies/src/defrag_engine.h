@@ -231,6 +231,8 @@ class alignas(64) DefragEngine {
   std::size_t release_cached();
   [[nodiscard]] std::size_t reserved_bytes() const noexcept { return held_pages_ * page_; }
   [[nodiscard]] std::size_t live_bytes() const noexcept { return live_bytes_; }
+  [[nodiscard]] std::size_t peak_live_bytes() const noexcept { return peak_live_; }
+  [[nodiscard]] std::size_t peak_held_bytes() const noexcept { return peak_held_; }
   void check_invariants() const;
   [[nodiscard]] std::vector<SegmentView> segments() const;
   [[nodiscard]] DefragBreakdown breakdown() const;

@@ -302,6 +302,10 @@ class DefragPolicy {
   [[nodiscard]] const DefragSettings& settings() const noexcept;
   /// Sum of the (512-byte rounded) sizes of live blocks.
   [[nodiscard]] std::size_t live_bytes() const noexcept;
+  /// The peaks the slack is measured against (Note [Frees in flight and the slack]): of the live
+  /// bytes, frees parked for other streams included, and of the bytes the program held.
+  [[nodiscard]] std::size_t peak_live_bytes() const noexcept;
+  [[nodiscard]] std::size_t peak_held_bytes() const noexcept;
   /// reserved_bytes() split into live, edge and cached bytes.
   [[nodiscard]] DefragBreakdown breakdown() const;
   /// True while placement depends only on the calls (one stream seen, no recently freed lists):
