@@ -6,9 +6,11 @@
 // When no mapped hole of its own stream fits, a block goes to the best-fitting unmapped hole,
 // extended by the usable mapped holes on either side (so the partly used pages at the edges of
 // holes fill up). The pages it lacks come, in this order, from
-//   1. new physical pages, while the policy holds less than (1 + grow_slack) x the peak of live
-//      bytes so far (measured against the peak, not the current live bytes, the slack bounds the
-//      peak exactly as well but moves fewer pages in phases below it);
+//   1. new physical pages, while the policy holds less than the peak of live bytes so far plus
+//      grow_slack x the peak of the bytes the program held (Note [Frees in flight and the slack]:
+//      live bytes less the frees parked for other streams; measured against peaks, not the
+//      current bytes, the slack bounds the peak exactly as well but moves fewer pages in phases
+//      below it);
 //   2. instead of any page: another stream's safe mapped hole that fits (Note [Stream affinity]);
 //   3. the whole free pages of safe mapped holes, oldest hole first (the "age list"), unmapped in
 //      one call per hole and mapped under the new block ("stitching");
@@ -25,8 +27,8 @@
 //      front end's retry chain takes over).
 // Only pages entirely inside a free hole move; a page shared with a live block stays. So
 // physical memory grows beyond the slack only while every page held carries live bytes or
-// belongs to a hole that cannot move yet, which bounds the peak by about max((1 + slack) x peak
-// live, peak live + partly used edge pages).
+// belongs to a hole that cannot move yet, which bounds the peak by about peak live + max(slack x
+// peak held, partly used edge pages).
 //
 // Note [Frees in flight and the slack]
 // A block freed while another stream still uses it (record_stream) stays live for the policy
@@ -44,11 +46,11 @@
 // 15,263 (expandable segments 14,004; 4 runs each), 18.2% vs 14.0%; on an H100 10,372 vs 11,316
 // (expandable 12,654; 3 runs), 12.6% vs 10.6%, and on another H100 10,537 vs 10,904 (expandable
 // 12,884; 4 runs; 16 more runs of the new base on three H100 hosts: 15 below every expandable run
-// of their call); pipeline, stream_weights, comm_overlap on the
-// H100 within their spread (3,535 vs 3,531; 7,974 vs 7,974; 13,361 vs 13,406). Replayed over the
-// development set (five lags, --stream-lags) the mean moved 1.1968 -> 1.1979, lower on 10 pairs
-// and higher on 7, all of them offload_train and stream_weights recordings, whose replays keep
-// the recorded host's pace and cannot show how the GPU's pace moves with the layout
+// of their call); pipeline, stream_weights, comm_overlap on the H100 within their spread (3,535
+// vs 3,531; 7,974 vs 7,974; 13,361 vs 13,406). Replayed over the development set (five lags,
+// --stream-lags) the mean moved 1.1968 -> 1.1979, lower on 10 pairs and higher on 7, all of them
+// offload_train and stream_weights recordings, whose replays keep the recorded host's pace and
+// cannot show how the GPU's pace moves with the layout
 // (bench/results/defrag_session32_2026-12-05.md).
 //
 // Note [Chunks]
@@ -563,8 +565,8 @@ std::size_t DefragEngine::scratch_pages() const noexcept {
 }
 
 std::size_t DefragEngine::pages_within_slack(std::size_t size) const noexcept {
-  // Note [Where new pages come from]: the slack is measured against the peak of live bytes so
-  // far, which bounds the peak reserved exactly as well and moves fewer pages below the peak.
+  // Note [Where new pages come from]: the slack is measured against peaks so far, which bounds
+  // the peak reserved exactly as well and moves fewer pages below the peak.
   const std::size_t peak = std::max(peak_live_, live_bytes_ + size);
   std::size_t base = peak;
   if (!settings_.slack_counts_parked) {  // Note [Frees in flight and the slack]
@@ -585,7 +587,6 @@ void DefragEngine::create_pages(std::size_t count) {
   if (count == 0 || count > room / page_) {
     return;
   }
-
   // Note [Chunks]: about kChunksPerGrowth chunks, so that a chunk a live block pins holds at
   // most a small part of the growth that created it. Once the slack rose (Note [Chunks once the
   // slack rose]), chunks hold at least a kChunksPerGrowth-th of what it rose by.
