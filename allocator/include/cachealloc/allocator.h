@@ -607,9 +607,7 @@ class CachingAllocator final : public DeviceAllocator {
         }
       }
       if (done) {
-        parked_bytes_ -= static_cast<std::int64_t>(p.block.size);
-        --parked_count_;
-        complete_free(p.block, p.requested, p.stream, own_stream_done(p, wait));
+        hand_back(p, wait);
       } else {
         if (kept != i) {
           pending_[kept] = std::move(p);
@@ -798,10 +796,8 @@ class CachingAllocator final : public DeviceAllocator {
         if (!events_done(p, /*wait=*/true, none)) {
           break;  // its events could not be recorded: it stays parked
         }
-        parked_bytes_ -= static_cast<std::int64_t>(p.block.size);
-        --parked_count_;
         back += p.block.size;
-        complete_free(p.block, p.requested, p.stream, own_stream_done(p, /*wait=*/false));
+        hand_back(p, /*wait_own=*/false);
       }
     } catch (...) {  // a failed wait: the blocks handed back so far leave pending_, the rest stay
       pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(i));
@@ -811,6 +807,14 @@ class CachingAllocator final : public DeviceAllocator {
     pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(i));
     flush_pending(/*wait=*/false);  // also tells the policy the parked bytes
     return i;
+  }
+
+  /// A parked free whose other streams are done goes to the policy (settled when its own
+  /// stream is done too; `wait_own` waits for that). The caller removes it from pending_.
+  void hand_back(Parked& p, bool wait_own) {
+    parked_bytes_ -= static_cast<std::int64_t>(p.block.size);
+    --parked_count_;
+    complete_free(p.block, p.requested, p.stream, own_stream_done(p, wait_own));
   }
 
   /// The policy takes frees that come back settled (policy.h, optional member).
