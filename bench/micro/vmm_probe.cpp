@@ -79,6 +79,31 @@
 // cuMemMap 1-2 us per handle; cuMemSetAccess 23-26 us for one page idle, 39-43 us for 16, 203-233
 // us for 8 one-page handles, so per handle; while device-to-host copies ran about 1,030 us per
 // handle whatever its size, host-to-device 27-67 us.
+//
+// Note [Which maps wait for the copies]
+// Session 30's probe found cuMemSetAccess about 1 ms per handle while device-to-host copies run,
+// and in bench/e2e offload_train the maps of policy defrag (243 us per handle on an H100, session
+// 32) are most of its time in the allocator. The probe above maps one address over and over, each
+// map right after an unmap of the same address, with the same handles: whether the wait belongs
+// to an address mapped before (the driver invalidating what the device may still cache of it),
+// to a handle mapped before, or to every access call, it cannot tell. Replayed, most of defrag's
+// maps go to addresses never mapped before (offload_train recorded on the H200: 1,457 of 2,130;
+// the e2e pipeline: 844 of 1,535), so the answer decides whether placing growths in fresh address
+// space would make them cheap. And if the wait is per call and not per device, access calls made
+// from several threads at once could overlap their waits. These questions ask it, idle and while
+// device-to-host copies run (as above; only maps made while the copies still ran count):
+//   map_same_va_<load>       one page, one handle, at the address it was just unmapped from
+//                            (the question above, kept for a side-by-side figure);
+//   map_fresh_va_<load>      the same handle at a new address each time (never mapped before);
+//   map_fresh_both_<load>    a new handle (created untimed) at a new address each time: a growth
+//                            at the top of the address space;
+//   map_old_va_<load>        a new address for each map of a first pass, all unmapped, then 50 ms
+//                            later a second pass maps the same addresses again (timed): an address
+//                            unmapped long ago;
+//   map_8_serial_<load>      8 one-page handles, each mapped and granted access by its own calls,
+//                            one after the other on this thread (total of the 8);
+//   map_8_threads_<load>     the same 8 at once from 8 threads (wall time from the start of the
+//                            first to the end of the last).
 #include "../../allocator/cuda/src/driver_api.h"
 
 #include <cuda_runtime_api.h>
@@ -153,23 +178,49 @@ double since_us(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// Note [Maps while copy engines run]: `load` is "idle", "d2h" or "h2d".
-void map_under_copies(Probe& p, const char* load) {
-  const bool idle = std::string(load) == "idle";
-  const bool d2h = std::string(load) == "d2h";
-  const std::size_t copy_bytes = std::size_t{256} << 20;
-  void* dev = nullptr;
-  void* host = nullptr;
-  cudaStream_t copies = nullptr;
-  if (!idle) {
-    if (cudaMalloc(&dev, copy_bytes) != cudaSuccess || cudaMallocHost(&host, copy_bytes) != cudaSuccess ||
-        cudaStreamCreateWithFlags(&copies, cudaStreamNonBlocking) != cudaSuccess) {
-      std::printf("PROBE map_under_%s: not run (no memory or stream for the copies)\n", load);
-      cudaFree(dev);
-      cudaFreeHost(host);
+/// Device-to-host (or host-to-device) copies of 256 MiB queued back to back on a stream of their
+/// own, for maps to be timed under; none for "idle". `running()` says whether they still run.
+class CopyLoad {
+ public:
+  explicit CopyLoad(const char* load) : idle_(std::string(load) == "idle") {
+    if (idle_) {
       return;
     }
+    const bool d2h = std::string(load) == "d2h";
+    if (cudaMalloc(&dev_, kBytes) != cudaSuccess || cudaMallocHost(&host_, kBytes) != cudaSuccess ||
+        cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking) != cudaSuccess) {
+      throw std::runtime_error("no memory or stream for the copy load");
+    }
+    for (int i = 0; i < 40; ++i) {  // several hundred ms: longer than the maps of one question
+      const cudaError_t e = d2h ? cudaMemcpyAsync(host_, dev_, kBytes, cudaMemcpyDeviceToHost, stream_)
+                                : cudaMemcpyAsync(dev_, host_, kBytes, cudaMemcpyHostToDevice, stream_);
+      if (e != cudaSuccess) {
+        throw std::runtime_error("cudaMemcpyAsync for the copy load");
+      }
+    }
   }
+  ~CopyLoad() {
+    if (stream_ != nullptr) {
+      cudaStreamSynchronize(stream_);
+      cudaStreamDestroy(stream_);
+    }
+    cudaFree(dev_);
+    cudaFreeHost(host_);
+  }
+  CopyLoad(const CopyLoad&) = delete;
+  CopyLoad& operator=(const CopyLoad&) = delete;
+  [[nodiscard]] bool running() const { return idle_ || cudaStreamQuery(stream_) == cudaErrorNotReady; }
+
+ private:
+  static constexpr std::size_t kBytes = std::size_t{256} << 20;
+  bool idle_;
+  void* dev_ = nullptr;
+  void* host_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+};
+
+// Note [Maps while copy engines run]: `load` is "idle", "d2h" or "h2d".
+void map_under_copies(Probe& p, const char* load) {
   // One handle of 1 page, one of 16, and 8 handles of 1 page mapped back to back under one
   // access call (as the policy's map_run does): which call the time goes to, and whether it is
   // paid per handle or per access call.
@@ -185,36 +236,27 @@ void map_under_copies(Probe& p, const char* load) {
     for (auto& h : hs) {
       p.must(p.api.mem_create(&h, bytes, &p.prop, 0), "cuMemCreate");
     }
-    if (!idle) {  // about 40 x 256 MiB: several hundred ms of copies, longer than the maps below
-      for (int i = 0; i < 40; ++i) {
-        const cudaError_t e = d2h ? cudaMemcpyAsync(host, dev, copy_bytes, cudaMemcpyDeviceToHost, copies)
-                                   : cudaMemcpyAsync(dev, host, copy_bytes, cudaMemcpyHostToDevice, copies);
-        if (e != cudaSuccess) {
-          throw std::runtime_error("cudaMemcpyAsync for the copy load");
-        }
-      }
-    }
     std::vector<double> total;
     std::vector<double> maps;
     std::vector<double> access;
-    for (int i = 0; i < 30; ++i) {
-      const auto t0 = std::chrono::steady_clock::now();
-      for (std::size_t k = 0; k < c.handles; ++k) {
-        p.must(p.api.mem_map(va + k * bytes, bytes, 0, hs[k], 0), "cuMemMap");
+    {
+      CopyLoad copies(load);
+      for (int i = 0; i < 30; ++i) {
+        const auto t0 = std::chrono::steady_clock::now();
+        for (std::size_t k = 0; k < c.handles; ++k) {
+          p.must(p.api.mem_map(va + k * bytes, bytes, 0, hs[k], 0), "cuMemMap");
+        }
+        const auto t1 = std::chrono::steady_clock::now();
+        p.must(p.api.mem_set_access(va, c.handles * bytes, &p.access, 1), "cuMemSetAccess");
+        const double t = since_us(t0);
+        // Only maps made while the copies still ran count under a load.
+        if (copies.running()) {
+          total.push_back(t);
+          maps.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+          access.push_back(since_us(t1));
+        }
+        p.must(p.api.mem_unmap(va, c.handles * bytes), "cuMemUnmap");
       }
-      const auto t1 = std::chrono::steady_clock::now();
-      p.must(p.api.mem_set_access(va, c.handles * bytes, &p.access, 1), "cuMemSetAccess");
-      const double t = since_us(t0);
-      // Only maps made while the copies still ran count under a load.
-      if (idle || cudaStreamQuery(copies) == cudaErrorNotReady) {
-        total.push_back(t);
-        maps.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
-        access.push_back(since_us(t1));
-      }
-      p.must(p.api.mem_unmap(va, c.handles * bytes), "cuMemUnmap");
-    }
-    if (!idle) {
-      cudaStreamSynchronize(copies);
     }
     char name[64];
     if (c.handles == 1) {
@@ -234,11 +276,133 @@ void map_under_copies(Probe& p, const char* load) {
     }
     p.must(p.api.mem_address_free(va, c.handles * bytes), "cuMemAddressFree");
   }
-  if (!idle) {
-    cudaStreamDestroy(copies);
-    cudaFree(dev);
-    cudaFreeHost(host);
+}
+
+/// Note [Which maps wait for the copies]: one line per question under `load`.
+void map_freshness(Probe& p, const char* load) {
+  constexpr int kRounds = 30;
+  const std::size_t page = p.page;
+  const auto line = [&](const char* what, const std::vector<double>& us) {
+    const std::string name = std::string(what) + "_" + load;
+    if (us.empty()) {
+      std::printf("PROBE %s: not measured (the copies finished before the first map)\n", name.c_str());
+    } else {
+      p.report(name.c_str(), CUDA_SUCCESS, us);
+    }
+  };
+  const auto timed_map = [&](CUdeviceptr va, CUmemGenericAllocationHandle h) {
+    const auto t0 = std::chrono::steady_clock::now();
+    p.must(p.map(va, page, 0, h), "cuMemMap");
+    return since_us(t0);
+  };
+  // Addresses for every question: 2 x kRounds pages (map_old_va uses the second half).
+  CUdeviceptr base = 0;
+  p.must(p.api.mem_address_reserve(&base, 2 * kRounds * page, 0, 0, 0), "cuMemAddressReserve");
+  CUmemGenericAllocationHandle h = 0;
+  p.must(p.api.mem_create(&h, page, &p.prop, 0), "cuMemCreate");
+  std::vector<CUmemGenericAllocationHandle> spare(8, 0);
+  for (auto& s : spare) {
+    p.must(p.api.mem_create(&s, page, &p.prop, 0), "cuMemCreate");
   }
+  {  // map_same_va
+    CopyLoad copies(load);
+    std::vector<double> us;
+    for (int i = 0; i < kRounds; ++i) {
+      const double t = timed_map(base, h);
+      if (copies.running()) {
+        us.push_back(t);
+      }
+      p.must(p.api.mem_unmap(base, page), "cuMemUnmap");
+    }
+    line("map_same_va", us);
+  }
+  // A fresh reservation for each of the next two questions, so that "fresh" holds.
+  for (const bool new_handle : {false, true}) {
+    CUdeviceptr va = 0;
+    p.must(p.api.mem_address_reserve(&va, kRounds * page, 0, 0, 0), "cuMemAddressReserve");
+    CopyLoad copies(load);
+    std::vector<double> us;
+    for (int i = 0; i < kRounds; ++i) {
+      CUmemGenericAllocationHandle hi = h;
+      if (new_handle) {
+        p.must(p.api.mem_create(&hi, page, &p.prop, 0), "cuMemCreate");
+      }
+      const CUdeviceptr at = va + static_cast<CUdeviceptr>(i) * page;
+      const double t = timed_map(at, hi);
+      if (copies.running()) {
+        us.push_back(t);
+      }
+      p.must(p.api.mem_unmap(at, page), "cuMemUnmap");
+      if (new_handle) {
+        p.must(p.api.mem_release(hi), "cuMemRelease");
+      }
+    }
+    line(new_handle ? "map_fresh_both" : "map_fresh_va", us);
+    p.must(p.api.mem_address_free(va, kRounds * page), "cuMemAddressFree");
+  }
+  {  // map_old_va: the second half of `base`, mapped once each (untimed), unmapped, then again
+    const CUdeviceptr old = base + static_cast<CUdeviceptr>(kRounds) * page;
+    for (int i = 0; i < kRounds; ++i) {
+      p.must(p.map(old + static_cast<CUdeviceptr>(i) * page, page, 0, h), "cuMemMap");
+      p.must(p.api.mem_unmap(old + static_cast<CUdeviceptr>(i) * page, page), "cuMemUnmap");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    CopyLoad copies(load);
+    std::vector<double> us;
+    for (int i = 0; i < kRounds; ++i) {
+      const CUdeviceptr at = old + static_cast<CUdeviceptr>(i) * page;
+      const double t = timed_map(at, h);
+      if (copies.running()) {
+        us.push_back(t);
+      }
+      p.must(p.api.mem_unmap(at, page), "cuMemUnmap");
+    }
+    line("map_old_va", us);
+  }
+  // map_8_serial and map_8_threads: 8 handles at 8 fresh addresses per round.
+  for (const bool threads : {false, true}) {
+    constexpr int kSets = 10;
+    CUdeviceptr va = 0;
+    p.must(p.api.mem_address_reserve(&va, kSets * 8 * page, 0, 0, 0), "cuMemAddressReserve");
+    CopyLoad copies(load);
+    std::vector<double> us;
+    for (int r = 0; r < kSets; ++r) {
+      const CUdeviceptr at = va + static_cast<CUdeviceptr>(r) * 8 * page;
+      const auto t0 = std::chrono::steady_clock::now();
+      if (threads) {
+        std::vector<std::future<CUresult>> done;
+        for (int k = 0; k < 8; ++k) {
+          done.push_back(std::async(std::launch::async, [&, k] {
+            const CUdeviceptr v = at + static_cast<CUdeviceptr>(k) * page;
+            CUresult res = p.api.mem_map(v, page, 0, spare[static_cast<std::size_t>(k)], 0);
+            return res == CUDA_SUCCESS ? p.api.mem_set_access(v, page, &p.access, 1) : res;
+          }));
+        }
+        for (auto& f : done) {
+          p.must(f.get(), "cuMemMap + cuMemSetAccess (thread)");
+        }
+      } else {
+        for (int k = 0; k < 8; ++k) {
+          p.must(p.map(at + static_cast<CUdeviceptr>(k) * page, page, 0, spare[static_cast<std::size_t>(k)]),
+                 "cuMemMap");
+        }
+      }
+      const double t = since_us(t0);
+      if (copies.running()) {
+        us.push_back(t);
+      }
+      for (int k = 0; k < 8; ++k) {
+        p.must(p.api.mem_unmap(at + static_cast<CUdeviceptr>(k) * page, page), "cuMemUnmap");
+      }
+    }
+    line(threads ? "map_8_threads" : "map_8_serial", us);
+    p.must(p.api.mem_address_free(va, kSets * 8 * page), "cuMemAddressFree");
+  }
+  for (auto s : spare) {
+    p.must(p.api.mem_release(s), "cuMemRelease");
+  }
+  p.must(p.api.mem_release(h), "cuMemRelease");
+  p.must(p.api.mem_address_free(base, 2 * kRounds * page), "cuMemAddressFree");
 }
 
 #if CACHEALLOC_PROBE_KERNELS
@@ -508,6 +672,10 @@ int main() {
     // Note [Maps while copy engines run]
     for (const char* load : {"idle", "d2h", "h2d"}) {
       map_under_copies(p, load);
+    }
+    // Note [Which maps wait for the copies]
+    for (const char* load : {"idle", "d2h"}) {
+      map_freshness(p, load);
     }
 #if CACHEALLOC_PROBE_KERNELS
     // Note [Mapping behind a stream wait]: 16 pages, a fresh handle, five rounds each.
