@@ -189,29 +189,34 @@ class CopyLoad {
     const bool d2h = std::string(load) == "d2h";
     if (cudaMalloc(&dev_, kBytes) != cudaSuccess || cudaMallocHost(&host_, kBytes) != cudaSuccess ||
         cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking) != cudaSuccess) {
+      release();  // a constructor that throws runs no destructor
       throw std::runtime_error("no memory or stream for the copy load");
     }
     for (int i = 0; i < 40; ++i) {  // several hundred ms: longer than the maps of one question
       const cudaError_t e = d2h ? cudaMemcpyAsync(host_, dev_, kBytes, cudaMemcpyDeviceToHost, stream_)
                                 : cudaMemcpyAsync(dev_, host_, kBytes, cudaMemcpyHostToDevice, stream_);
       if (e != cudaSuccess) {
+        release();
         throw std::runtime_error("cudaMemcpyAsync for the copy load");
       }
     }
   }
-  ~CopyLoad() {
-    if (stream_ != nullptr) {
-      cudaStreamSynchronize(stream_);
-      cudaStreamDestroy(stream_);
-    }
-    cudaFree(dev_);
-    cudaFreeHost(host_);
-  }
+  ~CopyLoad() { release(); }
   CopyLoad(const CopyLoad&) = delete;
   CopyLoad& operator=(const CopyLoad&) = delete;
   [[nodiscard]] bool running() const { return idle_ || cudaStreamQuery(stream_) == cudaErrorNotReady; }
 
  private:
+  void release() noexcept {
+    if (stream_ != nullptr) {
+      cudaStreamSynchronize(stream_);
+      cudaStreamDestroy(stream_);
+      stream_ = nullptr;
+    }
+    cudaFree(dev_);
+    cudaFreeHost(host_);
+    dev_ = host_ = nullptr;
+  }
   static constexpr std::size_t kBytes = std::size_t{256} << 20;
   bool idle_;
   void* dev_ = nullptr;
