@@ -8,6 +8,10 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <array>
+#include <functional>
+#include <span>
 #include <string>
 
 namespace cachealloc {
@@ -31,6 +35,42 @@ CUmemAllocationProp pinned_on(int device) {
 
 CUdeviceptr to_cu(std::uintptr_t va) noexcept { return static_cast<CUdeviceptr>(va); }
 
+/// What the backend's own threads (the unmapper, the map workers) do first: the device current,
+/// and the stream-capture mode relaxed, so that their calls never invalidate a graph another
+/// thread captures in the default global mode (capture_guard_backend.h).
+std::function<void()> backend_thread_init(int device) {
+  return [device] {
+    CACHEALLOC_CUDA_CHECK(cudaSetDevice(device));
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    CACHEALLOC_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+  };
+}
+
+/// Maps `pieces` back to back from `va`, then grants the device access to all of them in one
+/// call. Returns the first failure (CUDA_SUCCESS if none) and sets `mapped` to the bytes left
+/// mapped from `va` (the caller unmaps them when anything failed).
+CUresult map_and_grant(std::uintptr_t va, std::span<const MapPiece> pieces, int device,
+                       std::size_t& mapped) {
+  const cuda_detail::DriverApi& api = cuda_detail::driver_api();
+  mapped = 0;
+  for (const MapPiece& p : pieces) {
+    const CUresult status =
+        api.mem_map(to_cu(va + mapped), p.bytes, 0, static_cast<CUmemGenericAllocationHandle>(p.handle), 0);
+    if (status != CUDA_SUCCESS) {
+      return status;
+    }
+    mapped += p.bytes;
+  }
+  if (mapped == 0) {
+    return CUDA_SUCCESS;
+  }
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  return api.mem_set_access(to_cu(va), mapped, &access, 1);
+}
+
 }  // namespace
 
 CudaVmmOptions CudaVmmOptions::from_config(Config& config) {
@@ -38,10 +78,13 @@ CudaVmmOptions CudaVmmOptions::from_config(Config& config) {
   if (auto v = config.take_bool("background_unmap")) {
     o.background_unmap = *v;
   }
+  if (auto v = config.take_int("map_threads", 1, static_cast<std::int64_t>(kMaxMapThreads))) {
+    o.map_threads = static_cast<std::size_t>(*v);
+  }
   return o;
 }
 
-std::vector<std::string_view> CudaVmmBackend::config_keys() { return {"background_unmap"}; }
+std::vector<std::string_view> CudaVmmBackend::config_keys() { return {"background_unmap", "map_threads"}; }
 
 CudaVmmBackend::CudaVmmBackend(int device, CudaVmmOptions options)
     : CudaRuntimeBackend(with_driver_api(device)), options_(options) {
@@ -80,13 +123,7 @@ CudaVmmBackend::CudaVmmBackend(int device, CudaVmmOptions options)
                      ? std::string()
                      : cuda_detail::describe_driver_error(status, "cuMemUnmap", __FILE__, __LINE__);
         },
-        [device] {
-          CACHEALLOC_CUDA_CHECK(cudaSetDevice(device));
-          // Relaxed, so that this thread's calls never invalidate a graph another thread
-          // captures in the default global mode (capture_guard_backend.h).
-          cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-          CACHEALLOC_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
-        },
+        backend_thread_init(device),
         [this](std::uint64_t after) -> std::string {
           // Note [Moving pages a stream still uses]: the stream's work that used the range.
           auto* event = reinterpret_cast<cudaEvent_t>(static_cast<std::uintptr_t>(after));
@@ -97,6 +134,9 @@ CudaVmmBackend::CudaVmmBackend(int device, CudaVmmOptions options)
                                              cudaGetErrorName(status) + " (" +
                                              cudaGetErrorString(status) + ")";
         });
+  }
+  if (options_.map_threads > 1) {  // Note [Access calls from several threads] (vmm_backend.h)
+    mappers_ = std::make_unique<ForkJoin>(options_.map_threads - 1, backend_thread_init(device));
   }
 }
 
@@ -235,7 +275,6 @@ void CudaVmmBackend::do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle
 }
 
 void CudaVmmBackend::do_map_run(std::uintptr_t va, std::span<const MapPiece> pieces) {
-  const cuda_detail::DriverApi& api = cuda_detail::driver_api();
   if (unmapper_ != nullptr) {
     std::size_t total = 0;
     for (const MapPiece& p : pieces) {
@@ -244,28 +283,46 @@ void CudaVmmBackend::do_map_run(std::uintptr_t va, std::span<const MapPiece> pie
     unmapper_->wait_for(va, total);  // a queued unmap of this range runs first
   }
   CudaDeviceGuard guard(device(), /*force=*/true);
+  // Note [Access calls from several threads]: the run in up to map_threads groups of
+  // consecutive handles, each mapped and granted access by its own calls, at once.
+  struct Group {
+    std::uintptr_t va = 0;
+    std::span<const MapPiece> pieces;
+    std::size_t mapped = 0;
+    CUresult status = CUDA_SUCCESS;
+  };
+  std::array<Group, kMaxMapThreads> groups;
+  const std::size_t n = mappers_ != nullptr ? std::min(pieces.size(), options_.map_threads) : 1;
+  std::size_t first = 0;
   std::uintptr_t at = va;
-  CUresult status = CUDA_SUCCESS;
-  for (const MapPiece& p : pieces) {
-    status = api.mem_map(to_cu(at), p.bytes, 0, static_cast<CUmemGenericAllocationHandle>(p.handle), 0);
-    if (status != CUDA_SUCCESS) {
-      break;
+  for (std::size_t g = 0; g < n; ++g) {
+    const std::size_t count = pieces.size() / n + (g < pieces.size() % n ? 1 : 0);
+    groups[g].va = at;
+    groups[g].pieces = pieces.subspan(first, count);
+    for (const MapPiece& p : groups[g].pieces) {
+      at += p.bytes;
     }
-    at += p.bytes;
+    first += count;
   }
-  if (status == CUDA_SUCCESS && at > va) {
-    // One access call for the whole run: it costs about as much for a gigabyte as for a page.
-    CUmemAccessDesc access{};
-    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    access.location.id = device();
-    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    status = api.mem_set_access(to_cu(va), at - va, &access, 1);
+  const int dev = device();
+  const auto map_group = [&](std::size_t g) {
+    groups[g].status = map_and_grant(groups[g].va, groups[g].pieces, dev, groups[g].mapped);
+  };
+  if (n > 1) {
+    mappers_->run(n, map_group);
+  } else {
+    map_group(0);
   }
-  if (status != CUDA_SUCCESS) {
-    if (at > va) {
-      CACHEALLOC_CU_WARN(api.mem_unmap(to_cu(va), at - va));  // leave the range as we found it
+  for (std::size_t g = 0; g < n; ++g) {
+    if (groups[g].status != CUDA_SUCCESS) {
+      const cuda_detail::DriverApi& api = cuda_detail::driver_api();
+      for (std::size_t k = 0; k < n; ++k) {  // leave the range as we found it
+        if (groups[k].mapped > 0) {
+          CACHEALLOC_CU_WARN(api.mem_unmap(to_cu(groups[k].va), groups[k].mapped));
+        }
+      }
+      CACHEALLOC_CU_CHECK(groups[g].status);
     }
-    CACHEALLOC_CU_CHECK(status);
   }
 }
 
