@@ -198,7 +198,7 @@ COUNTER_KEYS = ("allocator_ns", "alloc_calls", "free_calls", "num_device_alloc",
                 "defrag.pages_moved", "defrag.chunks_moved", "defrag.stream_waits", "defrag.wait_ns",
                 "defrag.move_ns", "defrag.grow_allocations", "defrag.pages_created", "defrag.slack_raises",
                 "defrag.pages_moved_pending", "defrag.placed_past_queued", "defrag.placed_above_queued",
-                "defrag.placed_at_top",
+                "defrag.placed_at_top", "defrag.placed_top_at_limit",
                 "defrag.budget_raises", "defrag.return_raises", "defrag.slack_returns",
                 "defrag.pending_switches", "defrag.held_growths",
                 # the slack in force at the end (ppm) and the pages created beyond it (Note [Why
@@ -1042,7 +1042,8 @@ def _defrag_run(r: dict[str, Any]) -> Optional[dict[str, Any]]:
 
 
 _SLACK_EVENT_WORDS = {"count_raise": "dense moves", "time_raise": "on time", "return_raise": "pages came back",
-                      "returned": "undone", "pending_switch": "switched to moving pending"}
+                      "returned": "undone", "pending_switch": "switched to moving pending",
+                      "top_at_limit": "over the budget at the limit: growths at the top"}
 
 
 def _slack_path(r: dict[str, Any]) -> Optional[str]:

@@ -741,7 +741,7 @@ void DefragEngine::make_live(Node* n) noexcept {
 std::vector<std::string_view> DefragPolicy::config_keys() {
   return {"va_reserve_gb", "grow_slack", "max_grow_slack", "move_budget", "small_size",
           "wait_for_streams", "move_pending", "pending_on_waits", "avoid_queued_unmaps",
-          "max_chunk_mb", "keep_small_mb", "stream_ranges", "slack_counts_parked"};
+          "max_chunk_mb", "keep_small_mb", "stream_ranges", "slack_counts_parked", "top_at_limit", "fresh_va"};
 }
 
 DefragSettings DefragPolicy::parse_settings(Config& config) {
@@ -789,6 +789,12 @@ DefragSettings DefragPolicy::parse_settings(Config& config) {
   }
   if (auto counts = config.take_bool("slack_counts_parked")) {
     s.slack_counts_parked = *counts;
+  }
+  if (auto top = config.take_bool("top_at_limit")) {
+    s.top_at_limit = *top;
+  }
+  if (auto fresh = config.take_bool("fresh_va")) {
+    s.fresh_va = *fresh;
   }
   return s;
 }
@@ -857,6 +863,7 @@ std::string_view slack_event_id(SlackEvent::Kind kind) noexcept {
     case SlackEvent::Kind::return_raise: return "return_raise";
     case SlackEvent::Kind::returned: return "returned";
     case SlackEvent::Kind::pending_switch: return "pending_switch";
+    case SlackEvent::Kind::top_at_limit: return "top_at_limit";
     case SlackEvent::Kind::beyond_slack: return "beyond_slack";
   }
   return "unknown";
@@ -869,6 +876,7 @@ std::string_view slack_event_name(SlackEvent::Kind kind) noexcept {
     case SlackEvent::Kind::return_raise: return "raised (pages that came back stay)";
     case SlackEvent::Kind::returned: return "raise undone after quiet";
     case SlackEvent::Kind::pending_switch: return "switched to moving pending";
+    case SlackEvent::Kind::top_at_limit: return "moves over the budget at the limit: growths at the top";
     case SlackEvent::Kind::beyond_slack: return "pages created beyond the slack";
   }
   return "?";
@@ -883,6 +891,7 @@ std::vector<std::pair<std::string, std::int64_t>> DefragPolicy::stat_counters() 
           {"defrag.placed_past_queued", v(c.placed_past_queued)},
           {"defrag.placed_above_queued", v(c.placed_above_queued)},
           {"defrag.placed_at_top", v(c.placed_at_top)},
+          {"defrag.placed_top_at_limit", v(c.placed_top_at_limit)},
           {"defrag.unmap_batches", v(c.unmap_batches)},   {"defrag.grow_allocations", v(c.grow_allocations)},
           {"defrag.stream_waits", v(c.stream_waits)},     {"defrag.wait_ns", v(c.wait_ns)},
           {"defrag.move_ns", v(c.move_ns)},               {"defrag.slack_raises", v(c.slack_raises)},

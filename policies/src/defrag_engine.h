@@ -374,8 +374,18 @@ class alignas(64) DefragEngine {
     /// Nonzero: the pages go from here up, above the unmaps queued in the hole's lower part
     /// (Note [Placing away from queued unmaps]); the hole's part below stays unmapped.
     std::uintptr_t above = 0;
+    /// At the top of its range because of top_at_limit (Note [Growing at the top once moves
+    /// cost too much at the limit], defrag_grow.cpp).
+    bool top = false;
   };
   Placement place_unmapped(std::uint32_t kind, std::uint32_t cls, std::size_t size) const;
+  /// fresh_va's placement (Note [Maps only at fresh addresses], defrag_grow.cpp).
+  Placement place_fresh(std::uint32_t kind, std::uint32_t cls, std::size_t size) const;
+  Placement place_top(std::uint32_t kind, std::uint32_t cls, std::size_t size) const;
+  [[nodiscard]] bool top_at_limit() const noexcept {
+    return settings_.top_at_limit && over_at_limit_ && slack_ >= settings_.max_grow_slack;
+  }
+  Placement place_best_fit(std::uint32_t kind, std::uint32_t cls, std::size_t size) const;
   Arena* new_arena(std::uint32_t kind, std::size_t at_least, std::uint32_t home);
   /// The ranges where a block of `kind` for stream class `cls` is placed when it needs pages
   /// mapped (Note [Address ranges of their own for streams], defrag_grow.cpp).
@@ -478,6 +488,9 @@ class alignas(64) DefragEngine {
   bool budget_open_ = false;
   /// Note [Waits that switch to moving pending]: moving pending from now on.
   bool pending_mode_ = false;
+  /// A window of moves went over the budget with the slack at its limit (Note [Growing at the
+  /// top once moves cost too much at the limit], defrag_grow.cpp); cleared when the slack returns.
+  bool over_at_limit_ = false;
   /// Note [A raise that comes back]: the quiet time (no charged growth: one below the peak that
   /// moved pages or waited) after which the slack returns to slack_before_budget_ (0: no raise
   /// to undo), and when the last such growth ended.

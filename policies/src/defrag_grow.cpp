@@ -256,7 +256,96 @@ namespace cachealloc::detail {
 
 // ============================================================================ growth
 
+// Note [Maps only at fresh addresses]
+// While device-to-host copies run, cuMemSetAccess costs about 1 ms per handle on an H100
+// (bench/micro/vmm_probe.cpp, Note [Maps while copy engines run]); that probe mapped each time at
+// an address just unmapped. If the wait is the driver making the device forget what it may still
+// cache of an address mapped before, maps at addresses never mapped would not pay it, and
+// vmm_probe's Note [Which maps wait for the copies] asks exactly that. fresh_va makes the policy
+// map only there: a growth goes to the top of its address range (the largest unmapped hole of
+// its bucket, from the first page above every page that range ever mapped; a range's `pages`
+// grows to the highest page mapped and never shrinks), extended by the usable mapped hole below,
+// and to a new range once that is full (va_reserve_gb each). Holes that pages left are never
+// mapped again: address space for time, and a range per about va_reserve_gb of pages mapped
+// (moves included). Replayed, cachealloc-replay prints how many pages went to addresses mapped
+// before (none with fresh_va). An experiment until the GPU answers, so off by default.
+DefragEngine::Placement DefragEngine::place_fresh(std::uint32_t kind, std::uint32_t cls,
+                                                  std::size_t size) const {
+  const std::uint64_t bucket = IndexKey::unmapped_bucket(kind, home_of(kind, cls));
+  auto it = unmapped_.lower_bound(IndexKey{IndexKey::rank_of(bucket + 1, 0), 0, nullptr});
+  if (it == unmapped_.begin()) {
+    return {};
+  }
+  --it;
+  if (it->bucket() != bucket) {
+    return {};
+  }
+  Node* hole = it->node;
+  const Arena& a = *hole->arena;
+  const std::uintptr_t fresh = a.base + a.pages.size() * page_;
+  if (hole->end() <= fresh) {
+    return {};  // every page of the largest hole was mapped before: a new range
+  }
+  if (hole->addr >= fresh) {
+    const Node* left = usable(hole->prev, cls) ? hole->prev : nullptr;
+    const std::uintptr_t start = left != nullptr ? left->addr : hole->addr;
+    return start + size <= hole->end() ? Placement{hole, start, false} : Placement{};
+  }
+  // The hole's lower part held pages once: the block alone, from the first fresh page.
+  return fresh + size <= hole->end() ? Placement{hole, fresh, false, fresh} : Placement{};
+}
+
+// Note [Growing at the top once moves cost too much at the limit]
+// A growth goes to the best-fitting unmapped hole (place_best_fit): usually one that a move just
+// emptied among live blocks, whose edge pages it can share. In a job whose shapes change at every
+// step that keeps the moves going: the two-stream pipeline of bench/e2e (batch 512-4096 at
+// random) moved pages at every step to the end of its 304-step recording at the slack's limit
+// (0.2), 166-217 device calls per eighth of the trace in its second half (replayed with
+// --stream-lags), and on the H100s 4-6 maps per step, 3.6-9.8% of its step in the allocator,
+// while raising the limit to stop the moves would have held more than expandable segments
+// (Note [A time budget for moves]). So once a window of moves went over move_budget with the
+// slack already at max_grow_slack (the time budget has nothing left to give), growths go to the
+// top of their address range instead (place_top: the largest unmapped hole, extended by the
+// usable mapped hole below it), until a raise comes back after quiet. Growths then gather above
+// the blocks that stay, and the holes below give their free pages to the moves until only
+// blocks that stay are left there: the layout settles. Replayed (--stream-lags), the long
+// pipeline recording made 0 device calls in its second half against 471 with best fit, at the
+// same peak (3,399 MB, 1.200 of its live peak); with maps priced at the H100's 67 us
+// (--call-cost map=67) the short recording's last quarter made 14 instead of 128. Over the
+// development set (29 recordings x 5 lags) 2 of 145 replays changed (e2e_pipeline at lag 0
+// 1.200 -> 1.197, e2e_pipeline_long at 10 ms 1.200 -> 1.201), the mean stayed 1.1979, 124
+// below expandable either way; offload_train recorded on the H200 with maps at 243 us (its H100
+// cost) placed 130 growths at the top: 13,841 vs 13,877 MB, 1,908 vs 1,849 maps + unmaps
+// (bench/results/defrag_session33_2026-12-05.md). top_at_limit:False keeps best fit throughout.
 DefragEngine::Placement DefragEngine::place_unmapped(std::uint32_t kind, std::uint32_t cls,
+                                                     std::size_t size) const {
+  if (settings_.fresh_va) {  // Note [Maps only at fresh addresses]
+    return place_fresh(kind, cls, size);
+  }
+  if (top_at_limit()) {  // Note [Growing at the top once moves cost too much at the limit]
+    if (const Placement top = place_top(kind, cls, size); top.hole != nullptr) {
+      return top;
+    }
+  }
+  return place_best_fit(kind, cls, size);
+}
+
+DefragEngine::Placement DefragEngine::place_top(std::uint32_t kind, std::uint32_t cls,
+                                                std::size_t size) const {
+  // The largest unmapped hole of the bucket: the top of an address range, above its last mapped
+  // page (the rest of a range of va_reserve_gb; holes that pages left are far smaller).
+  const std::uint64_t bucket = IndexKey::unmapped_bucket(kind, home_of(kind, cls));
+  auto it = unmapped_.lower_bound(IndexKey{IndexKey::rank_of(bucket + 1, 0), 0, nullptr});
+  if (it == unmapped_.begin() || (--it)->bucket() != bucket) {
+    return {};
+  }
+  Node* hole = it->node;
+  const Node* left = usable(hole->prev, cls) ? hole->prev : nullptr;
+  const std::uintptr_t start = left != nullptr ? left->addr : hole->addr;
+  return start + size <= hole->end() ? Placement{hole, start, false, 0, true} : Placement{};
+}
+
+DefragEngine::Placement DefragEngine::place_best_fit(std::uint32_t kind, std::uint32_t cls,
                                                      std::size_t size) const {
   // Usable mapped holes on either side extend an unmapped hole (they are the partly used pages
   // at its edges), so a hole up to two pages smaller than the request may do.
@@ -319,6 +408,9 @@ Node* DefragEngine::grow(std::uint32_t kind, std::uint32_t cls, std::size_t size
   }
   if (where.above != 0) {
     ++counters_.placed_above_queued;
+  }
+  if (where.top) {
+    ++counters_.placed_top_at_limit;
   }
   Node* hole = where.hole;
   std::uintptr_t start = where.start;
@@ -881,6 +973,10 @@ void DefragEngine::note_move_time(std::uint64_t now_ns, std::uint64_t spent_ns,
     const std::uint64_t quiet_ns =
         quiet < 1e18 ? static_cast<std::uint64_t>(quiet) : std::numeric_limits<std::uint64_t>::max();
     budget_quiet_ns_ = std::max({budget_quiet_ns_, kBudgetMaxWindowNs, quiet_ns});
+  } else if (over_budget && !over_at_limit_) {
+    // Note [Growing at the top once moves cost too much at the limit]
+    over_at_limit_ = true;
+    note_slack_event(SlackEvent::Kind::top_at_limit, slack_, slack_);
   }
   budget_open_ = false;
 }
@@ -969,6 +1065,7 @@ void DefragEngine::lower_slack_if_quiet(std::uint64_t now_ns) noexcept {
     return;
   }
   budget_quiet_ns_ = 0;
+  over_at_limit_ = false;  // judged again at the limit, if the slack gets there again
   if (slack_before_budget_ < slack_) {
     note_slack_event(SlackEvent::Kind::returned, slack_, slack_before_budget_);
     slack_ = slack_before_budget_;

@@ -483,8 +483,14 @@ TEST_CASE("defrag: settings come from CACHEALLOC_CONF and are validated", "[defr
   CHECK_FALSE(d.slack_counts_parked);  // Note [Frees in flight and the slack]
   CHECK(settings_from("slack_counts_parked:True").slack_counts_parked);
   CHECK_THROWS_AS(settings_from("slack_counts_parked:parked"), ConfigError);
+  CHECK(d.top_at_limit);  // Note [Growing at the top once moves cost too much at the limit]
+  CHECK_FALSE(settings_from("top_at_limit:False").top_at_limit);
+  CHECK_THROWS_AS(settings_from("top_at_limit:top"), ConfigError);
+  CHECK_FALSE(d.fresh_va);  // Note [Maps only at fresh addresses]
+  CHECK(settings_from("fresh_va:True").fresh_va);
+  CHECK_THROWS_AS(settings_from("fresh_va:new"), ConfigError);
   const auto keys = DefragPolicy::config_keys();
-  CHECK(keys.size() == 13);
+  CHECK(keys.size() == 15);
 }
 
 TEST_CASE("defrag: keep_small_mb keeps freed small blocks for their stream and size",
@@ -732,9 +738,10 @@ TEST_CASE("defrag: pages under free holes move where memory is needed", "[defrag
   CHECK(m.at("defrag.placed_past_queued") == static_cast<std::int64_t>(after.placed_past_queued));
   CHECK(m.at("defrag.placed_above_queued") == static_cast<std::int64_t>(after.placed_above_queued));
   CHECK(m.at("defrag.placed_at_top") == static_cast<std::int64_t>(after.placed_at_top));
+  CHECK(m.at("defrag.placed_top_at_limit") == 0);  // the slack never reached its limit here
   CHECK(m.at("defrag.pending_switches") == 0);  // move_pending was set, not switched to
   CHECK(m.at("defrag.held_growths") == 0);      // no front end held its growth
-  CHECK(m.size() == 27);
+  CHECK(m.size() == 28);
 }
 
 TEST_CASE("defrag: a growth is placed away from a range whose unmap still waits for its stream",
@@ -1447,18 +1454,12 @@ TEST_CASE("defrag: adversarial patterns stay within 2% of the live peak", "[defr
   }
 }
 
-TEST_CASE("defrag: a producer stream that hands batches over stays within the slack's limit",
-          "[defrag][patterns][streams]") {
-  // The two-stream input pipeline of bench/e2e in miniature: a side stream makes each next batch
-  // (random rows, blocks of rows x 16 KiB; two of them kept and handed to the main stream with
-  // record_stream), the main stream's activations follow the batch, its gradients are fixed.
-  // Pages move at nearly every step, so the time budget raises the slack; peak reserved stays
-  // within max_grow_slack (0.2) of the live peak, with or without a range per stream, with the
-  // GPU keeping up or 2 ms behind. Invariants are checked along the way (Workload::step()).
-  const bool own = GENERATE(true, false);
-  const std::uint64_t lag = GENERATE(std::uint64_t{0}, std::uint64_t{2'000'000});
-  INFO((own ? "stream_ranges:True" : "stream_ranges:False") << ", GPU " << lag << " ns behind");
-  Workload w(own ? "" : "stream_ranges:False", 2'000, lag);
+namespace {
+/// The two-stream input pipeline of bench/e2e in miniature: a side stream makes each next batch
+/// (random rows, blocks of rows x 16 KiB; two of them kept and handed to the main stream with
+/// record_stream), the main stream's activations follow the batch, its gradients are fixed.
+/// `after_step(step)` runs at the end of every step. Frees everything it made.
+void producer_pipeline(Workload& w, int steps, const std::function<void(int)>& after_step = {}) {
   std::mt19937_64 rng(11);
   const StreamId main = 0;
   const StreamId side = 7;
@@ -1480,7 +1481,7 @@ TEST_CASE("defrag: a producer stream that hands batches over stays within the sl
     return std::pair{std::pair{x, y}, n};
   };
   auto next = produce();
-  for (int step = 0; step < 200; ++step) {
+  for (int step = 0; step < steps; ++step) {
     const auto [batch, n] = next;
     w.record(batch.first, main);
     w.record(batch.second, main);
@@ -1502,17 +1503,33 @@ TEST_CASE("defrag: a producer stream that hands batches over stays within the sl
     w.free(batch.first);
     w.free(batch.second);
     w.idle(3'000'000);  // the rest of the step
+    if (after_step) {
+      after_step(step);
+    }
   }
-  const double limit = w.allocator().policy().settings().max_grow_slack;
-  CHECK(limit == 0.2);
-  CHECK(w.ratio().value <= 1.0 + limit + 0.01);
-  CHECK(w.allocator().policy().counters().pages_moved > 0);  // it did have to move pages
   w.allocator().check_invariants();
   w.free(next.first.first);
   w.free(next.first.second);
   for (void* p : weights) {
     w.free(p);
   }
+}
+}  // namespace
+
+TEST_CASE("defrag: a producer stream that hands batches over stays within the slack's limit",
+          "[defrag][patterns][streams]") {
+  // Pages move at nearly every step, so the time budget raises the slack; peak reserved stays
+  // within max_grow_slack (0.2) of the live peak, with or without a range per stream, with the
+  // GPU keeping up or 2 ms behind. Invariants are checked along the way (Workload::step()).
+  const bool own = GENERATE(true, false);
+  const std::uint64_t lag = GENERATE(std::uint64_t{0}, std::uint64_t{2'000'000});
+  INFO((own ? "stream_ranges:True" : "stream_ranges:False") << ", GPU " << lag << " ns behind");
+  Workload w(own ? "" : "stream_ranges:False", 2'000, lag);
+  producer_pipeline(w, 200);
+  const double limit = w.allocator().policy().settings().max_grow_slack;
+  CHECK(limit == 0.2);
+  CHECK(w.ratio().value <= 1.0 + limit + 0.01);
+  CHECK(w.allocator().policy().counters().pages_moved > 0);  // it did have to move pages
 }
 
 // ============================================================================ randomized
@@ -1759,6 +1776,10 @@ void check_history(CachingAllocator<DefragPolicy>& a) {
         break;
       case SlackEvent::Kind::pending_switch:
         ++switches;
+        CHECK(e.slack_after == e.slack_before);
+        break;
+      case SlackEvent::Kind::top_at_limit:  // at the limit, and it stays there
+        CHECK(e.slack_before == p.settings().max_grow_slack);
         CHECK(e.slack_after == e.slack_before);
         break;
       case SlackEvent::Kind::beyond_slack:

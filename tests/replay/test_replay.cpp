@@ -191,6 +191,40 @@ TEST_CASE("replay: the held-out validation recordings replay on every policy wit
   }
 }
 
+TEST_CASE("replay: once defrag's moves cost too much at the slack's limit, growths at the top "
+          "stop them", "[replay][defrag]") {
+  // Note [Growing at the top once moves cost too much at the limit] (defrag_grow.cpp): the e2e
+  // pipeline over 304 steps, streams kept busy as its late frees show (--stream-lags). With
+  // best-fit placement its moves go on at the slack's limit to the end; once a window of them
+  // went over the budget there, growths at the top of their range settle the layout. Device
+  // calls in the last half of the trace, and the peak, which must not rise.
+  const auto snapshot = trace::read_snapshot(std::string(CACHEALLOC_E2E_RECORDINGS_DIR) +
+                                             "/e2e_pipeline_long.pickle.xz");
+  const replay::PreparedTrace t = replay::prepare(snapshot, "e2e_pipeline_long");
+  replay::ReplayOptions opts;
+  opts.check_every = 997;
+  opts.stream_lags = true;
+  opts.phases = 8;
+  const auto late_calls = [](const replay::PolicyResult& r) {
+    std::uint64_t n = 0;
+    for (std::size_t k = r.phases.size() / 2; k < r.phases.size(); ++k) {
+      n += r.phases[k].device_calls;
+    }
+    return n;
+  };
+  const replay::PolicyResult top = replay::run(t, "defrag", "", opts);
+  const replay::PolicyResult fit = replay::run(t, "defrag", "top_at_limit:False", opts);
+  REQUIRE(top.error.empty());
+  REQUIRE(fit.error.empty());
+  INFO("top_at_limit: " << late_calls(top) << " late device calls, peak " << top.peak_reserved
+                        << "; best fit: " << late_calls(fit) << ", peak " << fit.peak_reserved);
+  CHECK(top.detail.find("growths placed at the top of their range") != std::string::npos);
+  CHECK(fit.detail.find("growths placed at the top of their range") == std::string::npos);
+  CHECK(late_calls(top) * 4 < late_calls(fit));
+  CHECK(top.peak_reserved <= fit.peak_reserved);
+  CHECK(top.failed_allocations == 0);
+}
+
 TEST_CASE("replay: GPU runs of jobs that hand memory between streams replay to their recorded "
           "peaks", "[replay][validation]") {
   // bench/validation/gpu_runs (record.log there): offload_train and stream_weights recorded on an

@@ -492,7 +492,7 @@ def policy_report(device: DeviceLike = None) -> dict[str, Any]:
     """What the policy of ``device`` can tell about its decisions. Policy defrag gives
     ``slack_history``: the first 512 changes of its slack and growths beyond it, in order, each
     ``{"event": "count_raise" | "time_raise" | "return_raise" | "returned" | "pending_switch" |
-    "beyond_slack", "time_ns", "slack_before", "slack_after", "live_bytes", "peak_live_bytes",
+    "top_at_limit" | "beyond_slack", "time_ns", "slack_before", "slack_after", "live_bytes", "peak_live_bytes",
     "reserved_bytes", "pages"}`` (why the job holds what it holds beyond its live peak), and
     ``slack_history_dropped``. Other policies, and a device not used yet: ``{}``. Needs the
     pluggable allocator (``enable()``); raises RuntimeError with the LibTorch adapter or when

@@ -70,6 +70,14 @@
 //                     end parks for other streams included, as before session 32 (default False:
 //                     against the peak of the bytes the program holds; Note [Frees in flight and
 //                     the slack], defrag_grow.cpp)
+//   top_at_limit      once moves went over move_budget with the slack at max_grow_slack, place
+//                     growths at the top of their address range instead of in the best-fitting
+//                     hole, so that the layout settles and the moves stop (default True; Note
+//                     [Growing at the top once moves cost too much at the limit], defrag_grow.cpp)
+//   fresh_va          map pages only at addresses never mapped before: a growth goes to the top
+//                     of its address range (another range once that is full), never into a hole
+//                     that pages left (default False; an experiment for the GPU: Note [Maps
+//                     only at fresh addresses], defrag_grow.cpp)
 // The front end's wait_parked_to_grow (allocator.h) holds this policy's growth (hold_growth) while
 // it waits for parked frees instead.
 //
@@ -155,6 +163,11 @@ struct DefragSettings {
   /// Note [Frees in flight and the slack] (defrag_grow.cpp): true also scales the slack with
   /// the frees the front end parks for other streams (the policy's behaviour until session 32).
   bool slack_counts_parked = false;
+  /// Note [Maps only at fresh addresses] (defrag_grow.cpp): pages are mapped only where no page
+  /// was mapped before.
+  bool fresh_va = false;
+  /// Note [Growing at the top once moves cost too much at the limit] (defrag_grow.cpp).
+  bool top_at_limit = true;
 };
 
 /// What the policy did to the device, beyond the backend's own map/unmap counters.
@@ -180,6 +193,9 @@ struct DefragCounters {
   /// mapped hole above it, because that needed fewer pages beyond the slack (Note [A block that
   /// ends with the free pages above it], defrag_grow.cpp).
   std::uint64_t placed_at_top = 0;
+  /// Growths placed at the top of their address range because moves went over the time budget
+  /// with the slack at its limit (Note [Growing at the top once moves cost too much at the limit]).
+  std::uint64_t placed_top_at_limit = 0;
   std::uint64_t unmap_batches = 0;   ///< unmap() calls (each covers consecutive pages)
   std::uint64_t grow_allocations = 0;  ///< allocations that needed pages mapped
   std::uint64_t events_recorded = 0;   ///< epoch-closing events (one per stream per epoch)
@@ -217,6 +233,9 @@ struct SlackEvent {
     return_raise,    ///< pages kept where they came back to (Note [Pages that come back])
     returned,        ///< a raise on time undone after quiet (Note [A raise that comes back])
     pending_switch,  ///< waits put moves over the budget (Note [Waits that switch to moving pending])
+    /// moves went over the budget with the slack at its limit: growths go to the top from now on
+    /// (Note [Growing at the top once moves cost too much at the limit])
+    top_at_limit,
     /// a growth created pages beyond the slack (Note [Why pages were created beyond the slack])
     beyond_slack,
   };
@@ -236,7 +255,8 @@ inline constexpr std::size_t kSlackHistoryLength = 512;
 /// The name of a SlackEvent kind, as cachealloc-replay --explain prints it.
 [[nodiscard]] std::string_view slack_event_name(SlackEvent::Kind kind) noexcept;
 /// Its identifier in JSON ("count_raise", "time_raise", "return_raise", "returned",
-/// "pending_switch", "beyond_slack"): DefragPolicy::report_json(), cachealloc-replay --json.
+/// "pending_switch", "top_at_limit", "beyond_slack"): DefragPolicy::report_json(),
+/// cachealloc-replay --json.
 [[nodiscard]] std::string_view slack_event_id(SlackEvent::Kind kind) noexcept;
 
 /// Where the physical memory held goes (DefragPolicy::breakdown(), O(ranges)).
