@@ -1025,7 +1025,8 @@ def _defrag_run(r: dict[str, Any]) -> Optional[dict[str, Any]]:
     """What policy defrag's time budget did over the whole run (defrag_counters_run): its peak,
     slack raises (of which on time), whether it switched to moving pending, the share of its
     charged growth time spent waiting for streams, its growths placed above queued unmaps or at
-    the top of a hole, and (where the counters have them) the slack at the end of the run and the
+    the top of a hole, those placed at the top of their range by top_at_limit, and (where the
+    counters have them) the slack at the end of the run and the
     pages created beyond the slack (None for other allocators)."""
     c = r.get("defrag_counters_run")
     if not c or "defrag.pending_switches" not in c or r.get("peak_bytes") is None:
@@ -1037,6 +1038,7 @@ def _defrag_run(r: dict[str, Any]) -> Optional[dict[str, Any]]:
             "wait_share": c.get("defrag.wait_ns", 0) / move if move else None,
             "waits": waits, "wait_ms": c.get("defrag.wait_ns", 0) / waits / 1e6 if waits else None,
             "above": c.get("defrag.placed_above_queued"), "top": c.get("defrag.placed_at_top"),
+            "top_at_limit": c.get("defrag.placed_top_at_limit"),
             "slack": c["defrag.slack_ppm"] / 1e6 if "defrag.slack_ppm" in c else None,
             "beyond": c.get("defrag.beyond_slack_pages")}
 
@@ -1406,6 +1408,8 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any], meta: dict[str, 
                     + (f" / {d['waits']} waits of {d['wait_ms']:.2f} ms" if d.get("wait_ms") is not None else "")
                     + (f" / placed {d['above']} above queued unmaps, {d['top']} at the top"
                        if d.get("above") or d.get("top") else "")
+                    + (f" / {d['top_at_limit']} growths at the top of their range once moves cost too "
+                       f"much at the limit" if d.get("top_at_limit") else "")
                     + (f" / slack {d['slack']:.3f} at the end" if d.get("slack") is not None else "")
                     + (f", {d['beyond']} pages created beyond it" if d.get("beyond") else "")
                     for d in ds)
