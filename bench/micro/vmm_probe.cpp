@@ -104,6 +104,10 @@
 //                            one after the other on this thread (total of the 8);
 //   map_8_threads_<load>     the same 8 at once from 8 threads (wall time from the start of the
 //                            first to the end of the last).
+// Besides "idle" and "d2h" (copies of 256 MiB), these and the questions above also run under
+// "d2h8": device-to-host copies of 8 MiB back to back, nearer an offloading job's, to tell
+// whether the cost is per handle or grows with the handle's pages under such copies (session
+// 31's offload_train found 4-chunk growths dearer per handle, 340 us against 249).
 #include "../../allocator/cuda/src/driver_api.h"
 
 #include <cuda_runtime_api.h>
@@ -178,23 +182,29 @@ double since_us(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
 }
 
-/// Device-to-host (or host-to-device) copies of 256 MiB queued back to back on a stream of their
-/// own, for maps to be timed under; none for "idle". `running()` says whether they still run.
+/// Device-to-host (or host-to-device) copies queued back to back on a stream of their own, for
+/// maps to be timed under; none for "idle". "d2h" and "h2d" copy 256 MiB at a time, "d2h8" 8 MiB
+/// (as an offloading job's activations go). `running()` says whether they still run.
 class CopyLoad {
  public:
   explicit CopyLoad(const char* load) : idle_(std::string(load) == "idle") {
     if (idle_) {
       return;
     }
-    const bool d2h = std::string(load) == "d2h";
+    const bool d2h = std::string(load).rfind("d2h", 0) == 0;
+    const std::size_t piece = std::string(load) == "d2h8" ? std::size_t{8} << 20 : kBytes;
     if (cudaMalloc(&dev_, kBytes) != cudaSuccess || cudaMallocHost(&host_, kBytes) != cudaSuccess ||
         cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking) != cudaSuccess) {
       release();  // a constructor that throws runs no destructor
       throw std::runtime_error("no memory or stream for the copy load");
     }
-    for (int i = 0; i < 40; ++i) {  // several hundred ms: longer than the maps of one question
-      const cudaError_t e = d2h ? cudaMemcpyAsync(host_, dev_, kBytes, cudaMemcpyDeviceToHost, stream_)
-                                : cudaMemcpyAsync(dev_, host_, kBytes, cudaMemcpyHostToDevice, stream_);
+    // About 10 GB of copies, several hundred ms: longer than the maps of one question.
+    for (std::size_t done = 0; done < 40 * kBytes; done += piece) {
+      const std::size_t at = done % kBytes;
+      char* dev = static_cast<char*>(dev_) + at;
+      char* host = static_cast<char*>(host_) + at;
+      const cudaError_t e = d2h ? cudaMemcpyAsync(host, dev, piece, cudaMemcpyDeviceToHost, stream_)
+                                : cudaMemcpyAsync(dev, host, piece, cudaMemcpyHostToDevice, stream_);
       if (e != cudaSuccess) {
         release();
         throw std::runtime_error("cudaMemcpyAsync for the copy load");
@@ -675,11 +685,11 @@ int main() {
       }
     }
     // Note [Maps while copy engines run]
-    for (const char* load : {"idle", "d2h", "h2d"}) {
+    for (const char* load : {"idle", "d2h", "h2d", "d2h8"}) {
       map_under_copies(p, load);
     }
     // Note [Which maps wait for the copies]
-    for (const char* load : {"idle", "d2h"}) {
+    for (const char* load : {"idle", "d2h", "d2h8"}) {
       map_freshness(p, load);
     }
 #if CACHEALLOC_PROBE_KERNELS
