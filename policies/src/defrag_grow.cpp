@@ -342,7 +342,21 @@ DefragEngine::Placement DefragEngine::place_top(std::uint32_t kind, std::uint32_
   Node* hole = it->node;
   const Node* left = usable(hole->prev, cls) ? hole->prev : nullptr;
   const std::uintptr_t start = left != nullptr ? left->addr : hole->addr;
-  return start + size <= hole->end() ? Placement{hole, start, false, 0, true} : Placement{};
+  if (start + size > hole->end()) {
+    return {};
+  }
+  // Note [Placing away from queued unmaps]: pages that left the range's top pending (their
+  // unmap waits for a stream) would make the map wait; the block goes above them instead.
+  const std::uintptr_t window_end = std::clamp(page_up(start + size), hole->addr, hole->end());
+  if (settings_.avoid_queued_unmaps && window_end > hole->addr &&
+      vm_.queued_unmap_end(hole->addr, window_end - hole->addr) != 0) {
+    const std::uintptr_t at = page_up(vm_.queued_unmap_end(hole->addr, hole->size));
+    if (at <= hole->addr || at + size > hole->end()) {
+      return {};
+    }
+    return Placement{hole, at, true, at, true};
+  }
+  return Placement{hole, start, false, 0, true};
 }
 
 DefragEngine::Placement DefragEngine::place_best_fit(std::uint32_t kind, std::uint32_t cls,
