@@ -62,16 +62,7 @@ void ForkJoin::run_erased(std::size_t n, Fn fn, void* ctx) {
   if (n > 1) {
     go_.notify_all();
   }
-  std::size_t i = 0;
-  while (claim(generation, i)) {
-    std::exception_ptr error;
-    try {
-      fn(ctx, i);
-    } catch (...) {
-      error = std::current_exception();
-    }
-    finish(error, /*on_worker=*/false);
-  }
+  run_claimed(generation, fn, ctx, /*on_worker=*/false);
   std::unique_lock lock(mutex_);
   done_.wait(lock, [&] { return finished_ == n_; });
   if (std::exception_ptr error = std::exchange(error_, nullptr)) {
@@ -126,16 +117,20 @@ void ForkJoin::worker_loop() {
       fn = fn_;
       ctx = ctx_;
     }
-    std::size_t i = 0;
-    while (claim(seen, i)) {
-      std::exception_ptr error;
-      try {
-        fn(ctx, i);
-      } catch (...) {
-        error = std::current_exception();
-      }
-      finish(error, /*on_worker=*/true);
+    run_claimed(seen, fn, ctx, /*on_worker=*/true);
+  }
+}
+
+void ForkJoin::run_claimed(std::uint64_t generation, Fn fn, void* ctx, bool on_worker) {
+  std::size_t i = 0;
+  while (claim(generation, i)) {
+    std::exception_ptr error;
+    try {
+      fn(ctx, i);
+    } catch (...) {
+      error = std::current_exception();
     }
+    finish(error, on_worker);
   }
 }
 

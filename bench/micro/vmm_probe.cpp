@@ -319,60 +319,53 @@ void map_freshness(Probe& p, const char* load) {
   for (auto& s : spare) {
     p.must(p.api.mem_create(&s, page, &p.prop, 0), "cuMemCreate");
   }
-  {  // map_same_va
+  // kRounds maps of one page under the load, the i-th at at(i) with handle(i), each unmapped
+  // after it (then done(handle) runs): the times of the maps made while the copies ran.
+  const auto rounds = [&](auto at, auto handle, auto done) {
     CopyLoad copies(load);
     std::vector<double> us;
     for (int i = 0; i < kRounds; ++i) {
-      const double t = timed_map(base, h);
+      const CUmemGenericAllocationHandle hi = handle();
+      const double t = timed_map(at(i), hi);
       if (copies.running()) {
         us.push_back(t);
       }
-      p.must(p.api.mem_unmap(base, page), "cuMemUnmap");
+      p.must(p.api.mem_unmap(at(i), page), "cuMemUnmap");
+      done(hi);
     }
-    line("map_same_va", us);
-  }
+    return us;
+  };
+  const auto same_handle = [&] { return h; };
+  const auto keep = [](CUmemGenericAllocationHandle) {};
+  line("map_same_va", rounds([&](int) { return base; }, same_handle, keep));
   // A fresh reservation for each of the next two questions, so that "fresh" holds.
   for (const bool new_handle : {false, true}) {
     CUdeviceptr va = 0;
     p.must(p.api.mem_address_reserve(&va, kRounds * page, 0, 0, 0), "cuMemAddressReserve");
-    CopyLoad copies(load);
-    std::vector<double> us;
-    for (int i = 0; i < kRounds; ++i) {
-      CUmemGenericAllocationHandle hi = h;
-      if (new_handle) {
-        p.must(p.api.mem_create(&hi, page, &p.prop, 0), "cuMemCreate");
-      }
-      const CUdeviceptr at = va + static_cast<CUdeviceptr>(i) * page;
-      const double t = timed_map(at, hi);
-      if (copies.running()) {
-        us.push_back(t);
-      }
-      p.must(p.api.mem_unmap(at, page), "cuMemUnmap");
-      if (new_handle) {
-        p.must(p.api.mem_release(hi), "cuMemRelease");
-      }
-    }
+    const auto fresh_at = [&](int i) { return va + static_cast<CUdeviceptr>(i) * page; };
+    const std::vector<double> us =
+        new_handle ? rounds(fresh_at,
+                            [&] {
+                              CUmemGenericAllocationHandle created = 0;
+                              p.must(p.api.mem_create(&created, page, &p.prop, 0), "cuMemCreate");
+                              return created;
+                            },
+                            [&](CUmemGenericAllocationHandle created) {
+                              p.must(p.api.mem_release(created), "cuMemRelease");
+                            })
+                   : rounds(fresh_at, same_handle, keep);
     line(new_handle ? "map_fresh_both" : "map_fresh_va", us);
     p.must(p.api.mem_address_free(va, kRounds * page), "cuMemAddressFree");
   }
   {  // map_old_va: the second half of `base`, mapped once each (untimed), unmapped, then again
     const CUdeviceptr old = base + static_cast<CUdeviceptr>(kRounds) * page;
+    const auto old_at = [&](int i) { return old + static_cast<CUdeviceptr>(i) * page; };
     for (int i = 0; i < kRounds; ++i) {
-      p.must(p.map(old + static_cast<CUdeviceptr>(i) * page, page, 0, h), "cuMemMap");
-      p.must(p.api.mem_unmap(old + static_cast<CUdeviceptr>(i) * page, page), "cuMemUnmap");
+      p.must(p.map(old_at(i), page, 0, h), "cuMemMap");
+      p.must(p.api.mem_unmap(old_at(i), page), "cuMemUnmap");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    CopyLoad copies(load);
-    std::vector<double> us;
-    for (int i = 0; i < kRounds; ++i) {
-      const CUdeviceptr at = old + static_cast<CUdeviceptr>(i) * page;
-      const double t = timed_map(at, h);
-      if (copies.running()) {
-        us.push_back(t);
-      }
-      p.must(p.api.mem_unmap(at, page), "cuMemUnmap");
-    }
-    line("map_old_va", us);
+    line("map_old_va", rounds(old_at, same_handle, keep));
   }
   // map_8_serial and map_8_threads: 8 handles at 8 fresh addresses per round.
   for (const bool threads : {false, true}) {

@@ -60,6 +60,8 @@ class ForkJoin {
   /// Claims the next task of job `generation`; false when it is over or all are claimed.
   bool claim(std::uint64_t generation, std::size_t& index);
   void finish(std::exception_ptr error, bool on_worker);
+  /// Runs the tasks of job `generation` this thread can claim, each reported to finish().
+  void run_claimed(std::uint64_t generation, Fn fn, void* ctx, bool on_worker);
 
   const std::size_t workers_;
   ThreadInit init_;
