@@ -378,14 +378,21 @@ class alignas(64) DefragEngine {
     /// cost too much at the limit], defrag_grow.cpp).
     bool top = false;
   };
+  /// Where a block that needs pages mapped goes: one of the three below.
   Placement place_unmapped(std::uint32_t kind, std::uint32_t cls, std::size_t size) const;
+  /// The best-fitting unmapped hole, extended by the usable mapped holes beside it (Note [Where
+  /// new pages come from], defrag_grow.cpp).
+  Placement place_best_fit(std::uint32_t kind, std::uint32_t cls, std::size_t size) const;
+  /// The top of the range (Note [Growing at the top once moves cost too much at the limit]).
+  Placement place_top(std::uint32_t kind, std::uint32_t cls, std::size_t size) const;
   /// fresh_va's placement (Note [Maps only at fresh addresses], defrag_grow.cpp).
   Placement place_fresh(std::uint32_t kind, std::uint32_t cls, std::size_t size) const;
-  Placement place_top(std::uint32_t kind, std::uint32_t cls, std::size_t size) const;
+  /// The largest unmapped hole where a block of `kind` for class `cls` goes (null: none).
+  [[nodiscard]] Node* largest_unmapped(std::uint32_t kind, std::uint32_t cls) const;
+  /// Whether growths go to the top now (place_top).
   [[nodiscard]] bool top_at_limit() const noexcept {
     return settings_.top_at_limit && over_at_limit_ && slack_ >= settings_.max_grow_slack;
   }
-  Placement place_best_fit(std::uint32_t kind, std::uint32_t cls, std::size_t size) const;
   Arena* new_arena(std::uint32_t kind, std::size_t at_least, std::uint32_t home);
   /// The ranges where a block of `kind` for stream class `cls` is placed when it needs pages
   /// mapped (Note [Address ranges of their own for streams], defrag_grow.cpp).

@@ -256,6 +256,18 @@ namespace cachealloc::detail {
 
 // ============================================================================ growth
 
+Node* DefragEngine::largest_unmapped(std::uint32_t kind, std::uint32_t cls) const {
+  // The last key of the bucket in the index's (bucket, size, address) order. It is the top of an
+  // address range, above its last mapped page: the rest of a range of va_reserve_gb, where the
+  // holes that pages left are far smaller.
+  const std::uint64_t bucket = IndexKey::unmapped_bucket(kind, home_of(kind, cls));
+  auto it = unmapped_.lower_bound(IndexKey{IndexKey::rank_of(bucket + 1, 0), 0, nullptr});
+  if (it == unmapped_.begin() || (--it)->bucket() != bucket) {
+    return nullptr;
+  }
+  return it->node;
+}
+
 // Note [Maps only at fresh addresses]
 // While device-to-host copies run, cuMemSetAccess costs about 1 ms per handle on an H100
 // (bench/micro/vmm_probe.cpp, Note [Maps while copy engines run]); that probe mapped each time at
@@ -271,16 +283,10 @@ namespace cachealloc::detail {
 // before (none with fresh_va). An experiment until the GPU answers, so off by default.
 DefragEngine::Placement DefragEngine::place_fresh(std::uint32_t kind, std::uint32_t cls,
                                                   std::size_t size) const {
-  const std::uint64_t bucket = IndexKey::unmapped_bucket(kind, home_of(kind, cls));
-  auto it = unmapped_.lower_bound(IndexKey{IndexKey::rank_of(bucket + 1, 0), 0, nullptr});
-  if (it == unmapped_.begin()) {
+  Node* hole = largest_unmapped(kind, cls);
+  if (hole == nullptr) {
     return {};
   }
-  --it;
-  if (it->bucket() != bucket) {
-    return {};
-  }
-  Node* hole = it->node;
   const Arena& a = *hole->arena;
   const std::uintptr_t fresh = a.base + a.pages.size() * page_;
   if (hole->end() <= fresh) {
@@ -332,14 +338,10 @@ DefragEngine::Placement DefragEngine::place_unmapped(std::uint32_t kind, std::ui
 
 DefragEngine::Placement DefragEngine::place_top(std::uint32_t kind, std::uint32_t cls,
                                                 std::size_t size) const {
-  // The largest unmapped hole of the bucket: the top of an address range, above its last mapped
-  // page (the rest of a range of va_reserve_gb; holes that pages left are far smaller).
-  const std::uint64_t bucket = IndexKey::unmapped_bucket(kind, home_of(kind, cls));
-  auto it = unmapped_.lower_bound(IndexKey{IndexKey::rank_of(bucket + 1, 0), 0, nullptr});
-  if (it == unmapped_.begin() || (--it)->bucket() != bucket) {
+  Node* hole = largest_unmapped(kind, cls);
+  if (hole == nullptr) {
     return {};
   }
-  Node* hole = it->node;
   const Node* left = usable(hole->prev, cls) ? hole->prev : nullptr;
   const std::uintptr_t start = left != nullptr ? left->addr : hole->addr;
   if (start + size > hole->end()) {
