@@ -275,6 +275,9 @@ void CudaVmmBackend::do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle
 }
 
 void CudaVmmBackend::do_map_run(std::uintptr_t va, std::span<const MapPiece> pieces) {
+  if (pieces.empty()) {
+    return;
+  }
   if (unmapper_ != nullptr) {
     std::size_t total = 0;
     for (const MapPiece& p : pieces) {
