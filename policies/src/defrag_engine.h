@@ -387,6 +387,16 @@ class alignas(64) DefragEngine {
   Placement place_top(std::uint32_t kind, std::uint32_t cls, std::size_t size) const;
   /// fresh_va's placement (Note [Maps only at fresh addresses], defrag_grow.cpp).
   Placement place_fresh(std::uint32_t kind, std::uint32_t cls, std::size_t size) const;
+  /// Where a block placed in unmapped `hole` starts: in the usable mapped hole on its left (its
+  /// partly used pages), else at the hole.
+  [[nodiscard]] std::uintptr_t start_in(const Node* hole, std::uint32_t cls) const noexcept;
+  /// Note [Placing away from queued unmaps] (defrag_grow.cpp): whether the pages a block from
+  /// `start` maps in `hole` would wait for an unmap queued behind a stream (with
+  /// avoid_queued_unmaps; false without).
+  [[nodiscard]] bool waits_for_unmap(const Node* hole, std::uintptr_t start, std::size_t size) const noexcept;
+  /// The first page of `hole` above its queued unmaps where the block alone fits with no queued
+  /// unmap under it; 0 if there is none.
+  [[nodiscard]] std::uintptr_t above_unmaps(const Node* hole, std::size_t size) const noexcept;
   /// The largest unmapped hole where a block of `kind` for class `cls` goes (null: none).
   [[nodiscard]] Node* largest_unmapped(std::uint32_t kind, std::uint32_t cls) const;
   /// Whether growths go to the top now (place_top).

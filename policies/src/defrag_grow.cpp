@@ -256,6 +256,26 @@ namespace cachealloc::detail {
 
 // ============================================================================ growth
 
+std::uintptr_t DefragEngine::start_in(const Node* hole, std::uint32_t cls) const noexcept {
+  return usable(hole->prev, cls) ? hole->prev->addr : hole->addr;
+}
+
+bool DefragEngine::waits_for_unmap(const Node* hole, std::uintptr_t start,
+                                   std::size_t size) const noexcept {
+  // The pages mapped for a block from `start` are [hole, window_end).
+  const std::uintptr_t window_end = std::clamp(page_up(start + size), hole->addr, hole->end());
+  return settings_.avoid_queued_unmaps && window_end > hole->addr &&
+         vm_.queued_unmap_end(hole->addr, window_end - hole->addr) != 0;
+}
+
+std::uintptr_t DefragEngine::above_unmaps(const Node* hole, std::size_t size) const noexcept {
+  const std::uintptr_t at = page_up(vm_.queued_unmap_end(hole->addr, hole->size));
+  return at > hole->addr && at + size <= hole->end() &&
+                 vm_.queued_unmap_end(at, page_up(at + size) - at) == 0
+             ? at
+             : 0;
+}
+
 Node* DefragEngine::largest_unmapped(std::uint32_t kind, std::uint32_t cls) const {
   // The last key of the bucket in the index's (bucket, size, address) order. It is the top of an
   // address range, above its last mapped page: the rest of a range of va_reserve_gb, where the
@@ -293,8 +313,7 @@ DefragEngine::Placement DefragEngine::place_fresh(std::uint32_t kind, std::uint3
     return {};  // every page of the largest hole was mapped before: a new range
   }
   if (hole->addr >= fresh) {
-    const Node* left = usable(hole->prev, cls) ? hole->prev : nullptr;
-    const std::uintptr_t start = left != nullptr ? left->addr : hole->addr;
+    const std::uintptr_t start = start_in(hole, cls);
     return start + size <= hole->end() ? Placement{hole, start, false} : Placement{};
   }
   // The hole's lower part held pages once: the block alone, from the first fresh page.
@@ -342,21 +361,15 @@ DefragEngine::Placement DefragEngine::place_top(std::uint32_t kind, std::uint32_
   if (hole == nullptr) {
     return {};
   }
-  const Node* left = usable(hole->prev, cls) ? hole->prev : nullptr;
-  const std::uintptr_t start = left != nullptr ? left->addr : hole->addr;
+  const std::uintptr_t start = start_in(hole, cls);
   if (start + size > hole->end()) {
     return {};
   }
   // Note [Placing away from queued unmaps]: pages that left the range's top pending (their
   // unmap waits for a stream) would make the map wait; the block goes above them instead.
-  const std::uintptr_t window_end = std::clamp(page_up(start + size), hole->addr, hole->end());
-  if (settings_.avoid_queued_unmaps && window_end > hole->addr &&
-      vm_.queued_unmap_end(hole->addr, window_end - hole->addr) != 0) {
-    const std::uintptr_t at = page_up(vm_.queued_unmap_end(hole->addr, hole->size));
-    if (at <= hole->addr || at + size > hole->end()) {
-      return {};
-    }
-    return Placement{hole, at, true, at, true};
+  if (waits_for_unmap(hole, start, size)) {
+    const std::uintptr_t at = above_unmaps(hole, size);
+    return at != 0 ? Placement{hole, at, true, at, true} : Placement{};
   }
   return Placement{hole, start, false, 0, true};
 }
@@ -379,23 +392,15 @@ DefragEngine::Placement DefragEngine::place_best_fit(std::uint32_t kind, std::ui
       }
     }
     Node* hole = it->node;
-    const Node* left = usable(hole->prev, cls) ? hole->prev : nullptr;
-    const Node* right = usable(hole->next, cls) ? hole->next : nullptr;
-    const std::uintptr_t start = left != nullptr ? left->addr : hole->addr;
-    const std::uintptr_t limit = right != nullptr ? right->end() : hole->end();
+    const std::uintptr_t start = start_in(hole, cls);
+    const std::uintptr_t limit = usable(hole->next, cls) ? hole->next->end() : hole->end();
     if (start + size <= limit) {
-      // Note [Placing away from queued unmaps]: the pages mapped here are [hole, window_end).
-      const std::uintptr_t window_end = std::clamp(page_up(start + size), hole->addr, hole->end());
-      if (settings_.avoid_queued_unmaps && window_end > hole->addr &&
-          vm_.queued_unmap_end(hole->addr, window_end - hole->addr) != 0) {
+      if (waits_for_unmap(hole, start, size)) {  // Note [Placing away from queued unmaps]
         if (queued.hole == nullptr) {
           queued = Placement{hole, start, true};
         }
         if (above.hole == nullptr) {
-          // The block alone, from the first page above the hole's queued unmaps.
-          const std::uintptr_t at = page_up(vm_.queued_unmap_end(hole->addr, hole->size));
-          if (at > hole->addr && at + size <= hole->end() &&
-              vm_.queued_unmap_end(at, page_up(at + size) - at) == 0) {
+          if (const std::uintptr_t at = above_unmaps(hole, size); at != 0) {
             above = Placement{hole, at, true, at};
           }
         }
