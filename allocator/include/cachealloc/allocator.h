@@ -744,6 +744,7 @@ class CachingAllocator final : public DeviceAllocator {
   /// limit, the policy may not grow; waits for the oldest of them, enough bytes at a time, and
   /// tries again; grows only once they are within the limit or none is left.
   CACHEALLOC_SLOW_PATH Block allocate_before_growth(std::size_t bytes, StreamId stream) {
+    Block b;
     if constexpr (kHoldsGrowth) {
       struct Held {
         P& p;
@@ -756,12 +757,10 @@ class CachingAllocator final : public DeviceAllocator {
       while (!pending_.empty() && parked_over_limit()) {
         {
           Held held(policy_);
-          if (Block b = try_allocate(bytes, stream)) {
-            if (started != 0) {
-              stats_.parked_wait_ns += backend_->clock_ns() - started;
-            }
-            return b;
-          }
+          b = try_allocate(bytes, stream);
+        }
+        if (b) {
+          break;
         }
         if (started == 0) {
           started = backend_->clock_ns();
@@ -775,7 +774,7 @@ class CachingAllocator final : public DeviceAllocator {
         stats_.parked_wait_ns += backend_->clock_ns() - started;
       }
     }
-    return try_allocate(bytes, stream);
+    return b ? b : try_allocate(bytes, stream);
   }
 
   /// Whether the parked frees exceed wait_parked_to_grow x the allocated bytes (never when unset).
