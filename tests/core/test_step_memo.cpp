@@ -315,7 +315,21 @@ TEST_CASE("step memo: never with two streams, nor for a policy that cannot repea
   Twins t;
   run_steps(t, step, 10);
   CHECK(t.memo("entries") == 0);
+  // Note [Learning only while placement can repeat]: once defrag saw the second stream, the
+  // learner stops; it never tracks a candidate period only to be refused at its end.
+  CHECK(t.memo("verify_started") == 0);
   t.check();
+
+  // A job that used a second stream once, at its start, and then repeats on one stream: the
+  // memo never serves it (defrag keeps the stream), and the learner stops at once.
+  Twins once;
+  once.alloc(0, 4096, /*stream=*/2);
+  once.free(0);
+  std::vector<StepOp> single = make_step(rng, 20, 1000);
+  run_steps(once, single, 10);
+  CHECK(once.memo("entries") == 0);
+  CHECK(once.memo("verify_started") == 0);
+  once.check();
 
   Config on = Config::parse("step_memo:True");
   CHECK_THROWS_AS(CachingAllocator<SizeClassPolicy>(std::make_unique<SimBackend>(SimOptions{}), on),

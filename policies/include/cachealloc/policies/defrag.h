@@ -330,6 +330,8 @@ class DefragPolicy {
   [[nodiscard]] DefragBreakdown breakdown() const;
   /// True while placement depends only on the calls (one stream seen, no recently freed lists):
   /// the front end's step memo may serve repeated calls (Note [The step memo], allocator.h).
+  /// Once false, false for good (a stream seen stays in the classes): the front end stops
+  /// learning then (Note [Learning only while placement can repeat], allocator.h).
   [[nodiscard]] bool placement_repeats() const noexcept;
   /// The step memo served `allocations` allocations (whole periods) without calling allocate():
   /// they count towards the moves' density as if it had (Note [Slack that adapts to moves]).
