@@ -8,8 +8,10 @@
 
 #include <catch2/catch.hpp>
 
+#include <map>
 #include <string>
 #include <string_view>
+#include <utility>
 
 using namespace cachealloc;
 
@@ -41,6 +43,20 @@ const replay::PreparedTrace& prepared_at(const std::string& path, const std::str
 /// A bundled trace (tests/data/traces).
 const replay::PreparedTrace& prepared(const std::string& file) {
   return prepared_at(std::string(CACHEALLOC_TRACE_DIR) + "/" + file, file);
+}
+
+/// The recording at `path` replayed under defrag with settings `a`, then `b`; both must run.
+std::pair<replay::PolicyResult, replay::PolicyResult> defrag_a_b(const std::string& path,
+                                                                 const std::string& name,
+                                                                 const replay::ReplayOptions& opts,
+                                                                 const std::string& a,
+                                                                 const std::string& b) {
+  const replay::PreparedTrace& t = prepared_at(path, name);
+  std::pair<replay::PolicyResult, replay::PolicyResult> r{replay::run(t, "defrag", a, opts),
+                                                          replay::run(t, "defrag", b, opts)};
+  REQUIRE(r.first.error.empty());
+  REQUIRE(r.second.error.empty());
+  return r;
 }
 
 #ifdef CACHEALLOC_HAS_NATIVE
@@ -198,9 +214,6 @@ TEST_CASE("replay: once defrag's moves cost too much at the slack's limit, growt
   // best-fit placement its moves go on at the slack's limit to the end; once a window of them
   // went over the budget there, growths at the top of their range settle the layout. Device
   // calls in the last half of the trace, and the peak, which must not rise.
-  const auto snapshot = trace::read_snapshot(std::string(CACHEALLOC_E2E_RECORDINGS_DIR) +
-                                             "/e2e_pipeline_long.pickle.xz");
-  const replay::PreparedTrace t = replay::prepare(snapshot, "e2e_pipeline_long");
   replay::ReplayOptions opts;
   opts.check_every = 997;
   opts.stream_lags = true;
@@ -212,10 +225,9 @@ TEST_CASE("replay: once defrag's moves cost too much at the slack's limit, growt
     }
     return n;
   };
-  const replay::PolicyResult top = replay::run(t, "defrag", "", opts);
-  const replay::PolicyResult fit = replay::run(t, "defrag", "top_at_limit:False", opts);
-  REQUIRE(top.error.empty());
-  REQUIRE(fit.error.empty());
+  const auto [top, fit] =
+      defrag_a_b(std::string(CACHEALLOC_E2E_RECORDINGS_DIR) + "/e2e_pipeline_long.pickle.xz",
+                 "e2e_pipeline_long", opts, "", "top_at_limit:False");
   INFO("top_at_limit: " << late_calls(top) << " late device calls, peak " << top.peak_reserved
                         << "; best fit: " << late_calls(fit) << ", peak " << fit.peak_reserved);
   CHECK(top.detail.find("growths placed at the top of their range") != std::string::npos);
@@ -231,17 +243,13 @@ TEST_CASE("replay: with charge_parked_peaks, new peaks of frees in flight no lon
   // streams kept busy as its late frees show, maps priced at the H100's cost under copies. Its
   // parked frees reach a new peak at nearly every growth; charged, its moves raise the slack
   // sooner and fewer chunks move. Fails if the setting changes nothing.
-  const auto snapshot = trace::read_snapshot(std::string(CACHEALLOC_VALIDATION_DIR) +
-                                             "/gpu_runs/h200/defrag/offload_train.pickle.xz");
-  const replay::PreparedTrace t = replay::prepare(snapshot, "offload_train");
   replay::ReplayOptions opts;
   opts.check_every = 499;
   opts.stream_lags = true;
   replay::apply_call_cost(opts.call_costs, "map=243");
-  const replay::PolicyResult charged = replay::run(t, "defrag", "charge_parked_peaks:True", opts);
-  const replay::PolicyResult spared = replay::run(t, "defrag", "", opts);
-  REQUIRE(charged.error.empty());
-  REQUIRE(spared.error.empty());
+  const auto [charged, spared] = defrag_a_b(
+      std::string(CACHEALLOC_VALIDATION_DIR) + "/gpu_runs/h200/defrag/offload_train.pickle.xz",
+      "offload_train", opts, "charge_parked_peaks:True", "");
   INFO("charged: " << charged.map_calls << " maps, " << charged.unmap_calls << " unmaps, peak "
                    << charged.peak_reserved << "; spared: " << spared.map_calls << " maps, "
                    << spared.unmap_calls << " unmaps, peak " << spared.peak_reserved);
