@@ -1104,14 +1104,14 @@ class CachingAllocator final : public DeviceAllocator {
   /// After a call went through the policy: tell the learner, and let the memo take over once
   /// the calls repeat. Never throws (out of host memory the memo just stays off).
   CACHEALLOC_SLOW_PATH void memo_observe(const MemoOp& op) noexcept {
-    // Calls executed so far (allocations + frees), from the tallies this call already touched.
-    const auto calls = static_cast<std::uint64_t>(allocation_.current + 2 * allocation_.freed);
     if (!memo_placement_repeats()) {
       // Note [Learning only while placement can repeat]: for good.
       memo_learning_ = false;
       learner_.restart();
       return;
     }
+    // Calls executed so far (allocations + frees), from the tallies this call already touched.
+    const auto calls = static_cast<std::uint64_t>(allocation_.current + 2 * allocation_.freed);
     const bool quiet = pending_.empty() && !observer_;
     try {
       if (!learner_.observe(op, calls, quiet, backend_->counters().mapping_calls())) {
