@@ -730,7 +730,7 @@ void DefragEngine::make_live(Node* n) noexcept {
   n->stamp = 0;
   live_bytes_ += n->size;
   peak_live_ = std::max(peak_live_, live_bytes_);
-  peak_held_ = std::max(peak_held_, live_bytes_ - std::min(parked_bytes_, live_bytes_));
+  peak_held_ = std::max(peak_held_, held_bytes());
   ++live_blocks_;
 }
 

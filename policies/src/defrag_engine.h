@@ -7,6 +7,7 @@
 #include <cachealloc/ordered_index.h>
 #include <cachealloc/policies/defrag.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -227,6 +228,10 @@ class alignas(64) DefragEngine {
   /// `settled`: every stream finished its work on the block, its own too (stamped as done).
   void deallocate(const Block& block, bool settled = false) noexcept;
   void note_parked(std::size_t bytes) noexcept { parked_bytes_ = bytes; }
+  /// The live bytes the program holds: those not parked by the front end for other streams.
+  [[nodiscard]] std::size_t held_bytes() const noexcept {
+    return live_bytes_ - std::min(parked_bytes_, live_bytes_);
+  }
   void hold_growth(bool held) noexcept { growth_held_ = held; }
   std::size_t release_cached();
   [[nodiscard]] std::size_t reserved_bytes() const noexcept { return held_pages_ * page_; }

@@ -539,9 +539,8 @@ Node* DefragEngine::grow(std::uint32_t kind, std::uint32_t cls, std::size_t size
     counters_.pages_mapped += mapped;
     scratch_.clear();
     // Note [New peaks of frees in flight]: optionally, only a new peak of the bytes held.
-    const bool spared = settings_.charge_parked_peaks
-                            ? live_bytes_ - std::min(parked_bytes_, live_bytes_) + size > peak_held_
-                            : new_peak;
+    const bool spared =
+        settings_.charge_parked_peaks ? held_bytes() + size > peak_held_ : new_peak;
     if (!spared &&
         (counters_.pages_moved != moved_before || counters_.stream_waits != waits_before)) {
       const std::uint64_t now = backend_.clock_ns();
@@ -687,7 +686,7 @@ std::size_t DefragEngine::pages_within_slack(std::size_t size) const noexcept {
   const std::size_t peak = std::max(peak_live_, live_bytes_ + size);
   std::size_t base = peak;
   if (!settings_.slack_counts_parked) {  // Note [Frees in flight and the slack]
-    base = std::max(peak_held_, live_bytes_ + size - std::min(parked_bytes_, live_bytes_));
+    base = std::max(peak_held_, held_bytes() + size);
   }
   const double allowed = static_cast<double>(peak) + slack_ * static_cast<double>(base) -
                          static_cast<double>(reserved_bytes());
