@@ -494,6 +494,8 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
   r.map_calls = c.map_calls;
   r.unmap_calls = c.unmap_calls;
   r.mapped_bytes = c.mapped_bytes;
+  r.events_recorded = c.events_recorded;
+  r.event_queries = c.event_queries;
 #ifdef CACHEALLOC_HAS_NATIVE
   if (native != nullptr) {
     std::vector<std::pair<trace::Action, std::uint64_t>> model;

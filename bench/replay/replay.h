@@ -159,6 +159,11 @@ struct PolicyResult {
   std::uint64_t map_calls = 0;
   std::uint64_t unmap_calls = 0;
   std::uint64_t mapped_bytes = 0;
+  /// Events recorded and queried on the simulated device (cross-stream frees, defrag's epochs):
+  /// on a GPU each costs about a microsecond of host time, which the simulated clock does not
+  /// charge (Note [Simulated time]).
+  std::uint64_t events_recorded = 0;
+  std::uint64_t event_queries = 0;
   std::uint64_t failed_allocations = 0;
   double seconds = 0;
   double events_per_second = 0;
