@@ -261,10 +261,6 @@ void SimBackend::do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle han
       throw DeviceError("simulated device: map over an existing mapping");
     }
   }
-  for (std::uintptr_t page = va; page < va + bytes; page += options_.granularity) {
-    pages_mapped_again_ += ever_mapped_.insert(page).second ? 0 : 1;
-    ++pages_mapped_total_;
-  }
   mappings_.emplace(va, std::make_pair(bytes, handle));
   ++ph->second.mappings;
   mapped_now_ += bytes;

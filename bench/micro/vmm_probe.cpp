@@ -108,6 +108,13 @@
 // "d2h8": device-to-host copies of 8 MiB back to back, nearer an offloading job's, to tell
 // whether the cost is per handle or grows with the handle's pages under such copies (session
 // 31's offload_train found 4-chunk growths dearer per handle, 340 us against 249).
+// Answered on an H100 (session 35, bench/results/vmm_probe_h100_2026-12-06_s35.txt; medians):
+// the address does not matter: idle 32.6 / 32.5 / 32.6 / 32.5 us (same, fresh, fresh handle and
+// address, old), under 256 MiB copies 1,032 / 1,032 / 1,012 / 1,032 us, under 8 MiB copies the
+// same. Threads do not overlap the waits: 8 maps from 8 threads took 619 us idle against 173 in
+// series, 8,228 against 8,329 under copies. Under 8 MiB copies one page and 16 pages cost the
+// same (1,041 / 1,033 us): per handle, not per page. So policy defrag's fresh_va (maps only at
+// fresh addresses) was removed, and backend cuda_vmm's map_threads stays off.
 #include "../../allocator/cuda/src/driver_api.h"
 
 #include <cuda_runtime_api.h>

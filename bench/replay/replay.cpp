@@ -569,11 +569,6 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
       r.detail += ", " + std::to_string(d.placed_top_at_limit) +
                   " growths placed at the top of their range once moves cost too much at the limit";
     }
-    if (sim.pages_mapped_total() != 0) {  // Note [Maps only at fresh addresses]
-      r.detail += ", " + std::to_string(sim.pages_mapped_again()) + " of the " +
-                  std::to_string(sim.pages_mapped_total()) +
-                  " pages mapped went to addresses mapped before";
-    }
     if (d.placed_at_top != 0) {  // Note [A block that ends with the free pages above it]
       r.detail += ", " + std::to_string(d.placed_at_top) +
                   " growths placed at the top of their hole to use the free pages above it";

@@ -390,8 +390,6 @@ class alignas(64) DefragEngine {
   Placement place_best_fit(std::uint32_t kind, std::uint32_t cls, std::size_t size) const;
   /// The top of the range (Note [Growing at the top once moves cost too much at the limit]).
   Placement place_top(std::uint32_t kind, std::uint32_t cls, std::size_t size) const;
-  /// fresh_va's placement (Note [Maps only at fresh addresses], defrag_grow.cpp).
-  Placement place_fresh(std::uint32_t kind, std::uint32_t cls, std::size_t size) const;
   /// Where a block placed in unmapped `hole` starts: in the usable mapped hole on its left (its
   /// partly used pages), else at the hole.
   [[nodiscard]] std::uintptr_t start_in(const Node* hole, std::uint32_t cls) const noexcept;

@@ -288,38 +288,6 @@ Node* DefragEngine::largest_unmapped(std::uint32_t kind, std::uint32_t cls) cons
   return it->node;
 }
 
-// Note [Maps only at fresh addresses]
-// While device-to-host copies run, cuMemSetAccess costs about 1 ms per handle on an H100
-// (bench/micro/vmm_probe.cpp, Note [Maps while copy engines run]); that probe mapped each time at
-// an address just unmapped. If the wait is the driver making the device forget what it may still
-// cache of an address mapped before, maps at addresses never mapped would not pay it, and
-// vmm_probe's Note [Which maps wait for the copies] asks exactly that. fresh_va makes the policy
-// map only there: a growth goes to the top of its address range (the largest unmapped hole of
-// its bucket, from the first page above every page that range ever mapped; a range's `pages`
-// grows to the highest page mapped and never shrinks), extended by the usable mapped hole below,
-// and to a new range once that is full (va_reserve_gb each). Holes that pages left are never
-// mapped again: address space for time, and a range per about va_reserve_gb of pages mapped
-// (moves included). Replayed, cachealloc-replay prints how many pages went to addresses mapped
-// before (none with fresh_va). An experiment until the GPU answers, so off by default.
-DefragEngine::Placement DefragEngine::place_fresh(std::uint32_t kind, std::uint32_t cls,
-                                                  std::size_t size) const {
-  Node* hole = largest_unmapped(kind, cls);
-  if (hole == nullptr) {
-    return {};
-  }
-  const Arena& a = *hole->arena;
-  const std::uintptr_t fresh = a.base + a.pages.size() * page_;
-  if (hole->end() <= fresh) {
-    return {};  // every page of the largest hole was mapped before: a new range
-  }
-  if (hole->addr >= fresh) {
-    const std::uintptr_t start = start_in(hole, cls);
-    return start + size <= hole->end() ? Placement{hole, start, false} : Placement{};
-  }
-  // The hole's lower part held pages once: the block alone, from the first fresh page.
-  return fresh + size <= hole->end() ? Placement{hole, fresh, false, fresh} : Placement{};
-}
-
 // Note [Growing at the top once moves cost too much at the limit]
 // A growth goes to the best-fitting unmapped hole (place_best_fit): usually one that a move just
 // emptied among live blocks, whose edge pages it can share. In a job whose shapes change at every
@@ -344,9 +312,6 @@ DefragEngine::Placement DefragEngine::place_fresh(std::uint32_t kind, std::uint3
 // (bench/results/defrag_session33_2026-12-05.md). top_at_limit:False keeps best fit throughout.
 DefragEngine::Placement DefragEngine::place_unmapped(std::uint32_t kind, std::uint32_t cls,
                                                      std::size_t size) const {
-  if (settings_.fresh_va) {  // Note [Maps only at fresh addresses]
-    return place_fresh(kind, cls, size);
-  }
   if (top_at_limit()) {  // Note [Growing at the top once moves cost too much at the limit]
     if (const Placement top = place_top(kind, cls, size); top.hole != nullptr) {
       return top;

@@ -178,10 +178,6 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
   [[nodiscard]] std::size_t live_reservations() const noexcept { return reservations_.size(); }
   [[nodiscard]] std::size_t live_physical() const noexcept { return physical_.size(); }
   [[nodiscard]] std::size_t mapped_bytes_now() const noexcept { return mapped_now_; }
-  /// Pages map() put at an address where a page had been mapped before (and unmapped since),
-  /// and all pages mapped, over the backend's life: how often maps reuse address space.
-  [[nodiscard]] std::uint64_t pages_mapped_again() const noexcept { return pages_mapped_again_; }
-  [[nodiscard]] std::uint64_t pages_mapped_total() const noexcept { return pages_mapped_total_; }
   /// True when [va, va+bytes) lies fully inside mapped pages.
   [[nodiscard]] bool is_mapped(std::uintptr_t va, std::size_t bytes) const;
   /// unmap_after() ranges still mapped because their stream's work has not completed (their
@@ -269,9 +265,6 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
   PhysicalHandle next_handle_ = 1;
   std::map<std::uintptr_t, std::pair<std::size_t, PhysicalHandle>> mappings_;  // va -> (bytes, handle)
   std::size_t mapped_now_ = 0;
-  std::unordered_set<std::uintptr_t> ever_mapped_;  // page addresses map() has used
-  std::uint64_t pages_mapped_again_ = 0;
-  std::uint64_t pages_mapped_total_ = 0;
   struct DeferredUnmap {
     std::uintptr_t va;
     std::size_t bytes;

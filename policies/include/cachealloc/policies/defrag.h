@@ -74,10 +74,6 @@
 //                     growths at the top of their address range instead of in the best-fitting
 //                     hole, so that the layout settles and the moves stop (default True; Note
 //                     [Growing at the top once moves cost too much at the limit], defrag_grow.cpp)
-//   fresh_va          map pages only at addresses never mapped before: a growth goes to the top
-//                     of its address range (another range once that is full), never into a hole
-//                     that pages left (default False; an experiment for the GPU: Note [Maps
-//                     only at fresh addresses], defrag_grow.cpp)
 //   charge_parked_peaks  a growth that moves pages is spared from move_budget only when it
 //                     reaches a new peak of the bytes the program holds, not one of the frees
 //                     parked for other streams (default False; an experiment for the GPU: Note
@@ -167,9 +163,6 @@ struct DefragSettings {
   /// Note [Frees in flight and the slack] (defrag_grow.cpp): true also scales the slack with
   /// the frees the front end parks for other streams (the policy's behaviour until session 32).
   bool slack_counts_parked = false;
-  /// Note [Maps only at fresh addresses] (defrag_grow.cpp): pages are mapped only where no page
-  /// was mapped before.
-  bool fresh_va = false;
   /// Note [Growing at the top once moves cost too much at the limit] (defrag_grow.cpp).
   bool top_at_limit = true;
   /// Note [New peaks of frees in flight] (defrag_grow.cpp): only new peaks of the bytes held
