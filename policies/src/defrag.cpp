@@ -741,8 +741,7 @@ void DefragEngine::make_live(Node* n) noexcept {
 std::vector<std::string_view> DefragPolicy::config_keys() {
   return {"va_reserve_gb", "grow_slack", "max_grow_slack", "move_budget", "small_size",
           "wait_for_streams", "move_pending", "pending_on_waits", "avoid_queued_unmaps",
-          "max_chunk_mb", "keep_small_mb", "stream_ranges", "slack_counts_parked", "top_at_limit",
-          "charge_parked_peaks"};
+          "max_chunk_mb", "keep_small_mb", "stream_ranges", "slack_counts_parked", "top_at_limit"};
 }
 
 DefragSettings DefragPolicy::parse_settings(Config& config) {
@@ -793,9 +792,6 @@ DefragSettings DefragPolicy::parse_settings(Config& config) {
   }
   if (auto top = config.take_bool("top_at_limit")) {
     s.top_at_limit = *top;
-  }
-  if (auto charge = config.take_bool("charge_parked_peaks")) {
-    s.charge_parked_peaks = *charge;
   }
   return s;
 }

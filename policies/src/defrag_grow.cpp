@@ -503,10 +503,7 @@ Node* DefragEngine::grow(std::uint32_t kind, std::uint32_t cls, std::size_t size
     }
     counters_.pages_mapped += mapped;
     scratch_.clear();
-    // Note [New peaks of frees in flight]: optionally, only a new peak of the bytes held.
-    const bool spared =
-        settings_.charge_parked_peaks ? held_bytes() + size > peak_held_ : new_peak;
-    if (!spared &&
+    if (!new_peak &&
         (counters_.pages_moved != moved_before || counters_.stream_waits != waits_before)) {
       const std::uint64_t now = backend_.clock_ns();
       note_move_time(now, now > started ? now - started : 0, counters_.wait_ns - wait_ns_before);
@@ -880,20 +877,15 @@ void DefragEngine::note_slack_event(SlackEvent::Kind kind, double before, double
 // Note [New peaks of frees in flight]
 // Growths to a new peak of live bytes are not charged, on the premise that a job reaches its
 // peak only so often. A job whose memory in flight keeps rising breaks it: offload_train's frees
-// parked for the copy stream grow step after step while the host runs ahead (live bytes with them
-// 8.3 -> 12.1 GB in 80 ms of its H200 recording, the bytes it holds 3.4 -> 4.5 GB), so nearly
-// every growth is a new peak, and its moves went on uncharged. On the GPU (bench/e2e, session 32,
-// H100 and H200) they took 5.0-9.3 ms of its 11.7-15.8 ms per step inside the allocator: 12-31
-// moved chunks per step against 11-18 created, each moved chunk one more handle mapped at the
-// ~250 us cuMemSetAccess costs under device-to-host copies. With charge_parked_peaks only a new
-// peak of the bytes the program holds (live less parked: the peak the slack is measured against,
-// Note [Frees in flight and the slack]) spares a growth. Replayed (`--stream-lags --call-cost
-// map=243`, the H200 recording): moved chunks 858 -> 505, maps + unmaps 1,908 -> 1,530, peak
-// 13,841 -> 13,738 MB. Over the development set (devset.py --stream-lags, 145 replays) only the
-// offload_train and stream_weights recordings change, 5 lower and 10 higher, mean 1.1979 ->
-// 1.2020, below expandable 124 -> 122 (recordings_b offload_train at 5 ms 2.314 -> 2.700,
-// stream_weights at 2 ms 1.487 -> 1.681): replays keep the recorded host's pace, so what it
-// does to those jobs' time and memory on a GPU is for the GPU to say. Off by default until then.
+// parked for the copy stream grow step after step while the host runs ahead, so nearly every
+// growth is a new peak and its moves go on uncharged (session 32's e2e: 5.0-9.3 ms of its
+// 11.7-15.8 ms per step in the allocator). Session 34 tried sparing only new peaks of the bytes
+// the program holds (live less parked; setting charge_parked_peaks): replayed, 858 -> 505 moved
+// chunks, but on an H100 (bench/e2e, 30 measured steps, 2 runs each,
+// bench/results/e2e_h100_2026-12-06_s35a.md) it changed nothing that counts: 9.8 vs 9.6 moved
+// chunks per step, 6.76% vs 6.56% of the step in the allocator, peak 15,899 vs 15,822 MiB. It was
+// removed (session 35). The same runs timed expandable segments exactly (+timed): 6.09% of the
+// step, so on this job defrag's moves cost about what expandable segments' growth does.
 //
 // Note [Judging a window before it is full]
 // A window of kMoveWindow moving growths lasts longest for the jobs whose growths each move the

@@ -486,11 +486,8 @@ TEST_CASE("defrag: settings come from CACHEALLOC_CONF and are validated", "[defr
   CHECK(d.top_at_limit);  // Note [Growing at the top once moves cost too much at the limit]
   CHECK_FALSE(settings_from("top_at_limit:False").top_at_limit);
   CHECK_THROWS_AS(settings_from("top_at_limit:top"), ConfigError);
-  CHECK_FALSE(d.charge_parked_peaks);  // Note [New peaks of frees in flight]
-  CHECK(settings_from("charge_parked_peaks:True").charge_parked_peaks);
-  CHECK_THROWS_AS(settings_from("charge_parked_peaks:peak"), ConfigError);
   const auto keys = DefragPolicy::config_keys();
-  CHECK(keys.size() == 15);
+  CHECK(keys.size() == 14);
 }
 
 TEST_CASE("defrag: keep_small_mb keeps freed small blocks for their stream and size",

@@ -237,28 +237,6 @@ TEST_CASE("replay: once defrag's moves cost too much at the slack's limit, growt
   CHECK(top.failed_allocations == 0);
 }
 
-TEST_CASE("replay: with charge_parked_peaks, new peaks of frees in flight no longer spare "
-          "defrag's moves from the time budget", "[replay][defrag]") {
-  // Note [New peaks of frees in flight] (defrag_grow.cpp): offload_train recorded on an H200,
-  // streams kept busy as its late frees show, maps priced at the H100's cost under copies. Its
-  // parked frees reach a new peak at nearly every growth; charged, its moves raise the slack
-  // sooner and fewer chunks move. Fails if the setting changes nothing.
-  replay::ReplayOptions opts;
-  opts.check_every = 499;
-  opts.stream_lags = true;
-  replay::apply_call_cost(opts.call_costs, "map=243");
-  const auto [charged, spared] = defrag_a_b(
-      std::string(CACHEALLOC_VALIDATION_DIR) + "/gpu_runs/h200/defrag/offload_train.pickle.xz",
-      "offload_train", opts, "charge_parked_peaks:True", "");
-  INFO("charged: " << charged.map_calls << " maps, " << charged.unmap_calls << " unmaps, peak "
-                   << charged.peak_reserved << "; spared: " << spared.map_calls << " maps, "
-                   << spared.unmap_calls << " unmaps, peak " << spared.peak_reserved);
-  // Unmaps are the moves' (nothing is released): a third fewer at least.
-  CHECK(charged.unmap_calls * 3 < spared.unmap_calls * 2);
-  CHECK(charged.map_calls < spared.map_calls);
-  CHECK(charged.failed_allocations == 0);
-}
-
 TEST_CASE("replay: GPU runs of jobs that hand memory between streams replay to their recorded "
           "peaks", "[replay][validation]") {
   // bench/validation/gpu_runs (record.log there): offload_train and stream_weights recorded on an

@@ -74,10 +74,6 @@
 //                     growths at the top of their address range instead of in the best-fitting
 //                     hole, so that the layout settles and the moves stop (default True; Note
 //                     [Growing at the top once moves cost too much at the limit], defrag_grow.cpp)
-//   charge_parked_peaks  a growth that moves pages is spared from move_budget only when it
-//                     reaches a new peak of the bytes the program holds, not one of the frees
-//                     parked for other streams (default False; an experiment for the GPU: Note
-//                     [New peaks of frees in flight], defrag_grow.cpp)
 // The front end's wait_parked_to_grow (allocator.h) holds this policy's growth (hold_growth) while
 // it waits for parked frees instead.
 //
@@ -165,9 +161,6 @@ struct DefragSettings {
   bool slack_counts_parked = false;
   /// Note [Growing at the top once moves cost too much at the limit] (defrag_grow.cpp).
   bool top_at_limit = true;
-  /// Note [New peaks of frees in flight] (defrag_grow.cpp): only new peaks of the bytes held
-  /// (live less parked) spare a moving growth from the time budget.
-  bool charge_parked_peaks = false;
 };
 
 /// What the policy did to the device, beyond the backend's own map/unmap counters.
