@@ -78,13 +78,10 @@ CudaVmmOptions CudaVmmOptions::from_config(Config& config) {
   if (auto v = config.take_bool("background_unmap")) {
     o.background_unmap = *v;
   }
-  if (auto v = config.take_int("map_threads", 1, static_cast<std::int64_t>(kMaxMapThreads))) {
-    o.map_threads = static_cast<std::size_t>(*v);
-  }
   return o;
 }
 
-std::vector<std::string_view> CudaVmmBackend::config_keys() { return {"background_unmap", "map_threads"}; }
+std::vector<std::string_view> CudaVmmBackend::config_keys() { return {"background_unmap"}; }
 
 CudaVmmBackend::CudaVmmBackend(int device, CudaVmmOptions options)
     : CudaRuntimeBackend(with_driver_api(device)), options_(options) {
@@ -134,9 +131,6 @@ CudaVmmBackend::CudaVmmBackend(int device, CudaVmmOptions options)
                                              cudaGetErrorName(status) + " (" +
                                              cudaGetErrorString(status) + ")";
         });
-  }
-  if (options_.map_threads > 1) {  // Note [Access calls from several threads] (vmm_backend.h)
-    mappers_ = std::make_unique<ForkJoin>(options_.map_threads - 1, backend_thread_init(device));
   }
 }
 
@@ -286,46 +280,15 @@ void CudaVmmBackend::do_map_run(std::uintptr_t va, std::span<const MapPiece> pie
     unmapper_->wait_for(va, total);  // a queued unmap of this range runs first
   }
   CudaDeviceGuard guard(device(), /*force=*/true);
-  // Note [Access calls from several threads]: the run in up to map_threads groups of
-  // consecutive handles, each mapped and granted access by its own calls, at once.
-  struct Group {
-    std::uintptr_t va = 0;
-    std::span<const MapPiece> pieces;
-    std::size_t mapped = 0;
-    CUresult status = CUDA_SUCCESS;
-  };
-  std::array<Group, kMaxMapThreads> groups;
-  const std::size_t n = mappers_ != nullptr ? std::min(pieces.size(), options_.map_threads) : 1;
-  std::size_t first = 0;
-  std::uintptr_t at = va;
-  for (std::size_t g = 0; g < n; ++g) {
-    const std::size_t count = pieces.size() / n + (g < pieces.size() % n ? 1 : 0);
-    groups[g].va = at;
-    groups[g].pieces = pieces.subspan(first, count);
-    for (const MapPiece& p : groups[g].pieces) {
-      at += p.bytes;
+  // Note [Access calls from several threads] (vmm_backend.h): every handle mapped, then one
+  // access call over the run.
+  std::size_t mapped = 0;
+  const CUresult status = map_and_grant(va, pieces, device(), mapped);
+  if (status != CUDA_SUCCESS) {
+    if (mapped > 0) {  // leave the range as we found it
+      CACHEALLOC_CU_WARN(cuda_detail::driver_api().mem_unmap(to_cu(va), mapped));
     }
-    first += count;
-  }
-  const int dev = device();
-  const auto map_group = [&](std::size_t g) {
-    groups[g].status = map_and_grant(groups[g].va, groups[g].pieces, dev, groups[g].mapped);
-  };
-  if (n > 1) {
-    mappers_->run(n, map_group);
-  } else {
-    map_group(0);
-  }
-  for (std::size_t g = 0; g < n; ++g) {
-    if (groups[g].status != CUDA_SUCCESS) {
-      const cuda_detail::DriverApi& api = cuda_detail::driver_api();
-      for (std::size_t k = 0; k < n; ++k) {  // leave the range as we found it
-        if (groups[k].mapped > 0) {
-          CACHEALLOC_CU_WARN(api.mem_unmap(to_cu(groups[k].va), groups[k].mapped));
-        }
-      }
-      CACHEALLOC_CU_CHECK(groups[g].status);
-    }
+    CACHEALLOC_CU_CHECK(status);
   }
 }
 

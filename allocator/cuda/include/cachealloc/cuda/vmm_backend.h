@@ -29,7 +29,6 @@
 #include <cachealloc/background_unmapper.h>
 #include <cachealloc/backend.h>
 #include <cachealloc/config.h>
-#include <cachealloc/fork_join.h>
 #include <cachealloc/cuda/runtime_backend.h>
 
 #include <cuda_runtime_api.h>
@@ -44,29 +43,18 @@
 namespace cachealloc {
 
 // Note [Access calls from several threads]
-// cuMemSetAccess is paid per mapping, not per call or per byte: 23-26 us for one handle on an
+// cuMemSetAccess is paid per mapping, not per call or per byte: 23-33 us for one handle on an
 // idle H100, about 1 ms per handle while device-to-host copies run (bench/micro/vmm_probe.cpp,
-// Note [Maps while copy engines run]); in bench/e2e offload_train, which streams activations to
-// the host, policy defrag's maps cost 243 us per handle and about 70% of its time in the
-// allocator (bench/results/defrag_session32_2026-12-05.md). If the wait behind those copies is
-// per call and the driver lets calls from several threads wait at once, a run of k handles
-// costs about one wait instead of k. map_threads:N splits a run (map_run: a growth's chunks, or
-// the chunks a move takes) into up to N groups of consecutive handles; the allocating thread maps
-// one group and N - 1 threads of the backend (ForkJoin, fork_join.h, started at the first run of
-// two handles or more) the others, each with its own cuMemMap calls and one cuMemSetAccess over
-// its group; the allocation returns when all are done. A failure anywhere unmaps every group's
-// mapped part and reports the first error, as the serial run does. Off by default (1) until
-// vmm_probe's map_8_threads question (Note [Which maps wait for the copies]) says whether the
-// driver overlaps the waits: if it serialises them, the threads only add their wake-ups.
-inline constexpr std::size_t kMaxMapThreads = 16;
-
+// Note [Maps while copy engines run]). Session 33 gave this backend a setting, map_threads, that
+// split a run of handles over several threads, in case the driver let their waits overlap. It
+// does not: 8 one-page maps from 8 threads took 619 us on an idle H100 against 173 us in series,
+// and 8,228 against 8,329 us under copies (bench/results/vmm_probe_h100_2026-12-06_s35.txt), so
+// the setting and its thread pool were removed (session 35). A run of handles is mapped on the
+// allocating thread and granted access in one call.
 /// Settings of backend `cuda_vmm` from CACHEALLOC_CONF.
 struct CudaVmmOptions {
   /// background_unmap:True|False: cuMemUnmap on a thread of the backend (default True).
   bool background_unmap = true;
-  /// map_threads:N (1-16): a run of handles is mapped and granted access by up to N threads at
-  /// once (default 1: all on the allocating thread; Note [Access calls from several threads]).
-  std::size_t map_threads = 1;
 
   /// Takes the keys below from `config`; throws ConfigError for a malformed value.
   static CudaVmmOptions from_config(Config& config);
@@ -84,10 +72,6 @@ class CudaVmmBackend final : public CudaRuntimeBackend, private VirtualMemory {
   static std::vector<std::string_view> config_keys();
   [[nodiscard]] const CudaVmmOptions& options() const noexcept { return options_; }
   [[nodiscard]] BackgroundWork background_work() const noexcept override;
-  /// Groups of a map run that map_threads' workers mapped (not the allocating thread), so far.
-  [[nodiscard]] std::uint64_t map_groups_on_threads() const noexcept {
-    return mappers_ != nullptr ? mappers_->tasks_on_workers() : 0;
-  }
   /// Unmaps queued for the background thread and not yet done (0 without background_unmap).
   [[nodiscard]] std::size_t pending_unmaps() const noexcept;
   /// With background_unmap: unmap_after() queues the range behind an event recorded on the
@@ -130,7 +114,6 @@ class CudaVmmBackend final : public CudaRuntimeBackend, private VirtualMemory {
   std::mutex events_mutex_;
   std::vector<cudaEvent_t> idle_events_;          // declared before unmapper_: outlives it
   std::unique_ptr<BackgroundUnmapper> unmapper_;  // with background_unmap
-  std::unique_ptr<ForkJoin> mappers_;             // with map_threads > 1
 };
 
 }  // namespace cachealloc
