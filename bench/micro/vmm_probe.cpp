@@ -80,6 +80,14 @@
 // us for 8 one-page handles, so per handle; while device-to-host copies ran about 1,030 us per
 // handle whatever its size, host-to-device 27-67 us.
 //
+// Note [Creating and releasing while copy engines run]
+// A page move maps a handle again (an access call: about 1 ms under device-to-host copies);
+// replacing several small free handles by one new handle would instead release them and create
+// one. Whether that is cheaper depends on what cuMemRelease and cuMemCreate cost under the same
+// copies, which nothing measured yet. create_release_<n>p_<load> times both for a handle of 1 and
+// of 16 pages (mapped, granted access and unmapped in between, untimed, as a moved page is):
+// "PROBE create_release_<n>p_<load>: cuMemCreate median <us>, cuMemRelease median <us> over <k>".
+//
 // Note [Which maps wait for the copies]
 // Session 30's probe found cuMemSetAccess about 1 ms per handle while device-to-host copies run,
 // and in bench/e2e offload_train the maps of policy defrag (243 us per handle on an H100, session
@@ -297,6 +305,43 @@ void map_under_copies(Probe& p, const char* load) {
       p.must(p.api.mem_release(h), "cuMemRelease");
     }
     p.must(p.api.mem_address_free(va, c.handles * bytes), "cuMemAddressFree");
+  }
+}
+
+/// Note [Creating and releasing while copy engines run]: one line per handle size under `load`.
+void create_release_under_copies(Probe& p, const char* load) {
+  for (const std::size_t pages : {std::size_t{1}, std::size_t{16}}) {
+    const std::size_t bytes = pages * p.page;
+    CUdeviceptr va = 0;
+    p.must(p.api.mem_address_reserve(&va, bytes, 0, 0, 0), "cuMemAddressReserve");
+    std::vector<double> create;
+    std::vector<double> release;
+    {
+      CopyLoad copies(load);
+      for (int i = 0; i < 30; ++i) {
+        CUmemGenericAllocationHandle h = 0;
+        const auto t0 = std::chrono::steady_clock::now();
+        p.must(p.api.mem_create(&h, bytes, &p.prop, 0), "cuMemCreate");
+        const double c = since_us(t0);
+        p.must(p.api.mem_map(va, bytes, 0, h, 0), "cuMemMap");
+        p.must(p.api.mem_set_access(va, bytes, &p.access, 1), "cuMemSetAccess");
+        p.must(p.api.mem_unmap(va, bytes), "cuMemUnmap");
+        const auto t1 = std::chrono::steady_clock::now();
+        p.must(p.api.mem_release(h), "cuMemRelease");
+        const double r = since_us(t1);
+        if (copies.running()) {  // only calls made while the copies still ran count
+          create.push_back(c);
+          release.push_back(r);
+        }
+      }
+    }
+    if (create.empty()) {
+      std::printf("PROBE create_release_%zup_%s: not measured (the copies finished first)\n", pages, load);
+    } else {
+      std::printf("PROBE create_release_%zup_%s: cuMemCreate median %.1f us, cuMemRelease median %.1f us over %zu\n",
+                  pages, load, median(create), median(release), create.size());
+    }
+    p.must(p.api.mem_address_free(va, bytes), "cuMemAddressFree");
   }
 }
 
@@ -687,6 +732,10 @@ int main() {
     // Note [Maps while copy engines run]
     for (const char* load : {"idle", "d2h", "h2d", "d2h8"}) {
       map_under_copies(p, load);
+    }
+    // Note [Creating and releasing while copy engines run]
+    for (const char* load : {"idle", "d2h8"}) {
+      create_release_under_copies(p, load);
     }
     // Note [Which maps wait for the copies]
     for (const char* load : {"idle", "d2h", "d2h8"}) {
