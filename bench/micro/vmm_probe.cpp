@@ -122,7 +122,7 @@
 // same. Threads do not overlap the waits: 8 maps from 8 threads took 619 us idle against 173 in
 // series, 8,228 against 8,329 under copies. Under 8 MiB copies one page and 16 pages cost the
 // same (1,041 / 1,033 us): per handle, not per page. So policy defrag's fresh_va (maps only at
-// fresh addresses) was removed, and backend cuda_vmm's map_threads stays off.
+// fresh addresses) and backend cuda_vmm's map_threads (access calls from several threads) were removed.
 #include "../../allocator/cuda/src/driver_api.h"
 
 #include <cuda_runtime_api.h>
