@@ -88,6 +88,17 @@
 // of 16 pages (mapped, granted access and unmapped in between, untimed, as a moved page is):
 // "PROBE create_release_<n>p_<load>: cuMemCreate median <us>, cuMemRelease median <us> over <k>".
 //
+// Note [Unmaps and copies under maps]
+// Two more questions for a policy that moves pages while an offloading job copies to the host:
+//   unmap_<n>x1p_<load>   one cuMemUnmap over a run of n one-page handles mapped side by side
+//                         (n = 1, 8): whether an unmap is paid per call or per handle;
+//   copies_with_maps      the time of 3 GiB of device-to-host copies (8 MiB each, one stream,
+//                         timed by events on it) alone, then again while this thread maps, grants
+//                         access to and unmaps one page over and over: whether access calls hold
+//                         the copies back. Session 35's offload_train held more memory in flight
+//                         (frees waiting for the copy stream) under defrag than under expandable
+//                         segments (bench/results/defrag_session35_2026-12-06.md).
+//
 // Note [Which maps wait for the copies]
 // Session 30's probe found cuMemSetAccess about 1 ms per handle while device-to-host copies run,
 // and in bench/e2e offload_train the maps of policy defrag (243 us per handle on an H100, session
@@ -343,6 +354,108 @@ void create_release_under_copies(Probe& p, const char* load) {
     }
     p.must(p.api.mem_address_free(va, bytes), "cuMemAddressFree");
   }
+}
+
+/// Note [Unmaps and copies under maps]: unmap_<n>x1p_<load>.
+void unmap_runs(Probe& p, const char* load) {
+  for (const std::size_t n : {std::size_t{1}, std::size_t{8}}) {
+    CUdeviceptr va = 0;
+    p.must(p.api.mem_address_reserve(&va, n * p.page, 0, 0, 0), "cuMemAddressReserve");
+    std::vector<CUmemGenericAllocationHandle> hs(n, 0);
+    for (auto& h : hs) {
+      p.must(p.api.mem_create(&h, p.page, &p.prop, 0), "cuMemCreate");
+    }
+    std::vector<double> us;
+    {
+      CopyLoad copies(load);
+      for (int i = 0; i < 30; ++i) {
+        for (std::size_t k = 0; k < n; ++k) {
+          p.must(p.api.mem_map(va + k * p.page, p.page, 0, hs[k], 0), "cuMemMap");
+        }
+        p.must(p.api.mem_set_access(va, n * p.page, &p.access, 1), "cuMemSetAccess");
+        const auto t0 = std::chrono::steady_clock::now();
+        p.must(p.api.mem_unmap(va, n * p.page), "cuMemUnmap");
+        const double t = since_us(t0);
+        if (copies.running()) {
+          us.push_back(t);
+        }
+      }
+    }
+    char name[64];
+    std::snprintf(name, sizeof name, "unmap_%zux1p_%s", n, load);
+    if (us.empty()) {
+      std::printf("PROBE %s: not measured (the copies finished first)\n", name);
+    } else {
+      p.report(name, CUDA_SUCCESS, us);
+    }
+    for (auto h : hs) {
+      p.must(p.api.mem_release(h), "cuMemRelease");
+    }
+    p.must(p.api.mem_address_free(va, n * p.page), "cuMemAddressFree");
+  }
+}
+
+/// Note [Unmaps and copies under maps]: copies_with_maps.
+void copies_with_maps(Probe& p) {
+  constexpr std::size_t kPiece = std::size_t{8} << 20;
+  constexpr std::size_t kBytes = std::size_t{256} << 20;
+  constexpr int kPieces = 384;  // 3 GiB
+  void* dev = nullptr;
+  void* host = nullptr;
+  cudaStream_t stream = nullptr;
+  cudaEvent_t start = nullptr;
+  cudaEvent_t stop = nullptr;
+  if (cudaMalloc(&dev, kBytes) != cudaSuccess || cudaMallocHost(&host, kBytes) != cudaSuccess ||
+      cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess ||
+      cudaEventCreate(&start) != cudaSuccess || cudaEventCreate(&stop) != cudaSuccess) {
+    std::printf("PROBE copies_with_maps: not measured (no memory, stream or event)\n");
+    cudaFree(dev);
+    cudaFreeHost(host);
+    return;
+  }
+  CUdeviceptr va = 0;
+  CUmemGenericAllocationHandle h = 0;
+  p.must(p.api.mem_address_reserve(&va, p.page, 0, 0, 0), "cuMemAddressReserve");
+  p.must(p.api.mem_create(&h, p.page, &p.prop, 0), "cuMemCreate");
+  const auto copy_ms = [&](bool with_maps, int& maps) {
+    cudaEventRecord(start, stream);
+    for (int i = 0; i < kPieces; ++i) {
+      const std::size_t at = (static_cast<std::size_t>(i) * kPiece) % kBytes;
+      cudaMemcpyAsync(static_cast<char*>(host) + at, static_cast<char*>(dev) + at, kPiece,
+                      cudaMemcpyDeviceToHost, stream);
+    }
+    cudaEventRecord(stop, stream);
+    maps = 0;
+    while (with_maps && cudaEventQuery(stop) == cudaErrorNotReady) {
+      p.must(p.api.mem_map(va, p.page, 0, h, 0), "cuMemMap");
+      p.must(p.api.mem_set_access(va, p.page, &p.access, 1), "cuMemSetAccess");
+      p.must(p.api.mem_unmap(va, p.page), "cuMemUnmap");
+      ++maps;
+    }
+    cudaEventSynchronize(stop);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    return static_cast<double>(ms);
+  };
+  int maps = 0;
+  std::vector<double> alone;
+  std::vector<double> with;
+  std::vector<int> counts;
+  for (int round = 0; round < 3; ++round) {  // interleaved
+    alone.push_back(copy_ms(false, maps));
+    with.push_back(copy_ms(true, maps));
+    counts.push_back(maps);
+  }
+  std::printf("PROBE copies_with_maps: 3 GiB of 8 MiB device-to-host copies took median %.1f ms alone, "
+              "%.1f ms while this thread mapped one page over and over (%d, %d, %d maps)\n",
+              median(alone), median(with), counts[0], counts[1], counts[2]);
+  p.must(p.api.mem_release(h), "cuMemRelease");
+  p.must(p.api.mem_address_free(va, p.page), "cuMemAddressFree");
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaStreamDestroy(stream);
+  cudaFree(dev);
+  cudaFreeHost(host);
 }
 
 /// Note [Which maps wait for the copies]: one line per question under `load`.
@@ -737,6 +850,11 @@ int main() {
     for (const char* load : {"idle", "d2h8"}) {
       create_release_under_copies(p, load);
     }
+    // Note [Unmaps and copies under maps]
+    for (const char* load : {"idle", "d2h8"}) {
+      unmap_runs(p, load);
+    }
+    copies_with_maps(p);
     // Note [Which maps wait for the copies]
     for (const char* load : {"idle", "d2h", "d2h8"}) {
       map_freshness(p, load);
