@@ -51,6 +51,7 @@ namespace cachealloc {
 // and 8,228 against 8,329 us under copies (bench/results/vmm_probe_h100_2026-12-06_s35.txt), so
 // the setting and its thread pool were removed (session 35). A run of handles is mapped on the
 // allocating thread and granted access in one call.
+
 /// Settings of backend `cuda_vmm` from CACHEALLOC_CONF.
 struct CudaVmmOptions {
   /// background_unmap:True|False: cuMemUnmap on a thread of the backend (default True).
