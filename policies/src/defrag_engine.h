@@ -383,7 +383,7 @@ class alignas(64) DefragEngine {
     /// cost too much at the limit], defrag_grow.cpp).
     bool top = false;
   };
-  /// Where a block that needs pages mapped goes: one of the three below.
+  /// Where a block that needs pages mapped goes: one of the two below.
   Placement place_unmapped(std::uint32_t kind, std::uint32_t cls, std::size_t size) const;
   /// The best-fitting unmapped hole, extended by the usable mapped holes beside it (Note [Where
   /// new pages come from], defrag_grow.cpp).
