@@ -90,8 +90,8 @@
 //
 // Note [Unmaps and copies under maps]
 // Two more questions for a policy that moves pages while an offloading job copies to the host:
-//   unmap_<n>x1p_<load>   one cuMemUnmap over a run of n one-page handles mapped side by side
-//                         (n = 1, 8): whether an unmap is paid per call or per handle;
+//   per call or per handle, an unmap: map_<n>p_<load>_parts (Note [Maps while copy engines run])
+//                         also times the one cuMemUnmap over each run (map_8x1p: 8 handles);
 //   copies_with_maps      the time of 3 GiB of device-to-host copies (8 MiB each, one stream,
 //                         timed by events on it) alone, then again while this thread maps, grants
 //                         access to and unmaps one page over and over: whether access calls hold
@@ -280,6 +280,7 @@ void map_under_copies(Probe& p, const char* load) {
     std::vector<double> total;
     std::vector<double> maps;
     std::vector<double> access;
+    std::vector<double> unmaps;
     {
       CopyLoad copies(load);
       for (int i = 0; i < 30; ++i) {
@@ -290,13 +291,16 @@ void map_under_copies(Probe& p, const char* load) {
         const auto t1 = std::chrono::steady_clock::now();
         p.must(p.api.mem_set_access(va, c.handles * bytes, &p.access, 1), "cuMemSetAccess");
         const double t = since_us(t0);
-        // Only maps made while the copies still ran count under a load.
+        const auto t2 = std::chrono::steady_clock::now();
+        p.must(p.api.mem_unmap(va, c.handles * bytes), "cuMemUnmap");  // one call over the run
+        const double u = since_us(t2);
+        // Only calls made while the copies still ran count under a load.
         if (copies.running()) {
           total.push_back(t);
           maps.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
-          access.push_back(since_us(t1));
+          access.push_back(std::chrono::duration<double, std::micro>(t2 - t1).count());
+          unmaps.push_back(u);
         }
-        p.must(p.api.mem_unmap(va, c.handles * bytes), "cuMemUnmap");
       }
     }
     char name[64];
@@ -309,8 +313,9 @@ void map_under_copies(Probe& p, const char* load) {
       std::printf("PROBE %s: not measured (the copies finished before the first map)\n", name);
     } else {
       p.report(name, CUDA_SUCCESS, total);
-      std::printf("PROBE %s_parts: cuMemMap median %.1f us, cuMemSetAccess median %.1f us\n", name,
-                  median(maps), median(access));
+      std::printf("PROBE %s_parts: cuMemMap median %.1f us, cuMemSetAccess median %.1f us, "
+                  "cuMemUnmap (one call, untimed in the total) median %.1f us\n",
+                  name, median(maps), median(access), median(unmaps));
     }
     for (auto h : hs) {
       p.must(p.api.mem_release(h), "cuMemRelease");
@@ -356,45 +361,6 @@ void create_release_under_copies(Probe& p, const char* load) {
   }
 }
 
-/// Note [Unmaps and copies under maps]: unmap_<n>x1p_<load>.
-void unmap_runs(Probe& p, const char* load) {
-  for (const std::size_t n : {std::size_t{1}, std::size_t{8}}) {
-    CUdeviceptr va = 0;
-    p.must(p.api.mem_address_reserve(&va, n * p.page, 0, 0, 0), "cuMemAddressReserve");
-    std::vector<CUmemGenericAllocationHandle> hs(n, 0);
-    for (auto& h : hs) {
-      p.must(p.api.mem_create(&h, p.page, &p.prop, 0), "cuMemCreate");
-    }
-    std::vector<double> us;
-    {
-      CopyLoad copies(load);
-      for (int i = 0; i < 30; ++i) {
-        for (std::size_t k = 0; k < n; ++k) {
-          p.must(p.api.mem_map(va + k * p.page, p.page, 0, hs[k], 0), "cuMemMap");
-        }
-        p.must(p.api.mem_set_access(va, n * p.page, &p.access, 1), "cuMemSetAccess");
-        const auto t0 = std::chrono::steady_clock::now();
-        p.must(p.api.mem_unmap(va, n * p.page), "cuMemUnmap");
-        const double t = since_us(t0);
-        if (copies.running()) {
-          us.push_back(t);
-        }
-      }
-    }
-    char name[64];
-    std::snprintf(name, sizeof name, "unmap_%zux1p_%s", n, load);
-    if (us.empty()) {
-      std::printf("PROBE %s: not measured (the copies finished first)\n", name);
-    } else {
-      p.report(name, CUDA_SUCCESS, us);
-    }
-    for (auto h : hs) {
-      p.must(p.api.mem_release(h), "cuMemRelease");
-    }
-    p.must(p.api.mem_address_free(va, n * p.page), "cuMemAddressFree");
-  }
-}
-
 /// Note [Unmaps and copies under maps]: copies_with_maps.
 void copies_with_maps(Probe& p) {
   constexpr std::size_t kPiece = std::size_t{8} << 20;
@@ -405,36 +371,51 @@ void copies_with_maps(Probe& p) {
   cudaStream_t stream = nullptr;
   cudaEvent_t start = nullptr;
   cudaEvent_t stop = nullptr;
+  const auto free_all = [&] {
+    if (stream != nullptr) {
+      cudaStreamSynchronize(stream);
+      cudaStreamDestroy(stream);
+    }
+    for (cudaEvent_t e : {start, stop}) {
+      if (e != nullptr) {
+        cudaEventDestroy(e);
+      }
+    }
+    cudaFree(dev);
+    cudaFreeHost(host);
+  };
   if (cudaMalloc(&dev, kBytes) != cudaSuccess || cudaMallocHost(&host, kBytes) != cudaSuccess ||
       cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess ||
       cudaEventCreate(&start) != cudaSuccess || cudaEventCreate(&stop) != cudaSuccess) {
     std::printf("PROBE copies_with_maps: not measured (no memory, stream or event)\n");
-    cudaFree(dev);
-    cudaFreeHost(host);
+    free_all();
     return;
   }
   CUdeviceptr va = 0;
   CUmemGenericAllocationHandle h = 0;
   p.must(p.api.mem_address_reserve(&va, p.page, 0, 0, 0), "cuMemAddressReserve");
   p.must(p.api.mem_create(&h, p.page, &p.prop, 0), "cuMemCreate");
+  // The copies' time in ms (negative when a copy or an event could not be queued).
   const auto copy_ms = [&](bool with_maps, int& maps) {
-    cudaEventRecord(start, stream);
-    for (int i = 0; i < kPieces; ++i) {
-      const std::size_t at = (static_cast<std::size_t>(i) * kPiece) % kBytes;
-      cudaMemcpyAsync(static_cast<char*>(host) + at, static_cast<char*>(dev) + at, kPiece,
-                      cudaMemcpyDeviceToHost, stream);
-    }
-    cudaEventRecord(stop, stream);
     maps = 0;
-    while (with_maps && cudaEventQuery(stop) == cudaErrorNotReady) {
+    bool queued = cudaEventRecord(start, stream) == cudaSuccess;
+    for (int i = 0; queued && i < kPieces; ++i) {
+      const std::size_t at = (static_cast<std::size_t>(i) * kPiece) % kBytes;
+      queued = cudaMemcpyAsync(static_cast<char*>(host) + at, static_cast<char*>(dev) + at, kPiece,
+                               cudaMemcpyDeviceToHost, stream) == cudaSuccess;
+    }
+    queued = queued && cudaEventRecord(stop, stream) == cudaSuccess;
+    while (queued && with_maps && cudaEventQuery(stop) == cudaErrorNotReady) {
       p.must(p.api.mem_map(va, p.page, 0, h, 0), "cuMemMap");
       p.must(p.api.mem_set_access(va, p.page, &p.access, 1), "cuMemSetAccess");
       p.must(p.api.mem_unmap(va, p.page), "cuMemUnmap");
       ++maps;
     }
-    cudaEventSynchronize(stop);
     float ms = 0;
-    cudaEventElapsedTime(&ms, start, stop);
+    if (!queued || cudaEventSynchronize(stop) != cudaSuccess ||
+        cudaEventElapsedTime(&ms, start, stop) != cudaSuccess) {
+      return -1.0;
+    }
     return static_cast<double>(ms);
   };
   int maps = 0;
@@ -446,16 +427,17 @@ void copies_with_maps(Probe& p) {
     with.push_back(copy_ms(true, maps));
     counts.push_back(maps);
   }
-  std::printf("PROBE copies_with_maps: 3 GiB of 8 MiB device-to-host copies took median %.1f ms alone, "
-              "%.1f ms while this thread mapped one page over and over (%d, %d, %d maps)\n",
-              median(alone), median(with), counts[0], counts[1], counts[2]);
+  if (*std::min_element(alone.begin(), alone.end()) < 0 || *std::min_element(with.begin(), with.end()) < 0) {
+    std::printf("PROBE copies_with_maps: not measured (a copy or an event failed: %s)\n",
+                cudaGetErrorString(cudaGetLastError()));
+  } else {
+    std::printf("PROBE copies_with_maps: 3 GiB of 8 MiB device-to-host copies took median %.1f ms alone, "
+                "%.1f ms while this thread mapped one page over and over (%d, %d, %d maps)\n",
+                median(alone), median(with), counts[0], counts[1], counts[2]);
+  }
   p.must(p.api.mem_release(h), "cuMemRelease");
   p.must(p.api.mem_address_free(va, p.page), "cuMemAddressFree");
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  cudaStreamDestroy(stream);
-  cudaFree(dev);
-  cudaFreeHost(host);
+  free_all();
 }
 
 /// Note [Which maps wait for the copies]: one line per question under `load`.
@@ -851,9 +833,6 @@ int main() {
       create_release_under_copies(p, load);
     }
     // Note [Unmaps and copies under maps]
-    for (const char* load : {"idle", "d2h8"}) {
-      unmap_runs(p, load);
-    }
     copies_with_maps(p);
     // Note [Which maps wait for the copies]
     for (const char* load : {"idle", "d2h", "d2h8"}) {
