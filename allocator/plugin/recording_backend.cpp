@@ -45,6 +45,11 @@ void RecordingBackend::do_unmap(std::uintptr_t va, std::size_t bytes) {
   recorder_.record(trace::Action::segment_unmap, device(), va, bytes, 0);
 }
 
+void RecordingBackend::do_unmap_now(std::uintptr_t va, std::size_t bytes) {
+  inner_vm_->unmap_now(va, bytes);
+  recorder_.record(trace::Action::segment_unmap, device(), va, bytes, 0);
+}
+
 void RecordingBackend::do_unmap_after(std::uintptr_t va, std::size_t bytes, StreamId stream) {
   inner_vm_->unmap_after(va, bytes, stream);
   recorder_.record(trace::Action::segment_unmap, device(), va, bytes, 0);

@@ -84,6 +84,11 @@ class RecordingBackend final : public DeviceBackend, private VirtualMemory {
   void do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) override;
   void do_unmap(std::uintptr_t va, std::size_t bytes) override;
   void do_unmap_after(std::uintptr_t va, std::size_t bytes, StreamId stream) override;
+  void do_unmap_now(std::uintptr_t va, std::size_t bytes) override;
+  [[nodiscard]] std::uint64_t unmap_wait_ns() const noexcept override { return inner_vm_->unmap_wait_ns(); }
+  void do_release_unmapped(PhysicalHandle handle, std::size_t bytes) noexcept override {
+    inner_vm_->release_unmapped(handle, bytes);
+  }
   void do_map_run(std::uintptr_t va, std::span<const MapPiece> pieces) override;
 
   std::unique_ptr<DeviceBackend> inner_;

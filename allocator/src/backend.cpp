@@ -82,6 +82,17 @@ void VirtualMemory::release_physical(PhysicalHandle handle, std::size_t bytes) n
   physical_bytes_ -= bytes;
 }
 
+void VirtualMemory::release_unmapped(PhysicalHandle handle, std::size_t bytes) noexcept {
+  DeviceBackend& b = *owner_;
+  {
+    const TimedCall timed(b, b.counters_.release_physical_ns);
+    do_release_unmapped(handle, bytes);
+  }
+  ++b.counters_.physical_releases;
+  b.held_bytes_ -= bytes;
+  physical_bytes_ -= bytes;
+}
+
 void VirtualMemory::map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) {
   {
     const TimedCall timed(*owner_, owner_->counters_.map_ns);
@@ -137,6 +148,15 @@ void VirtualMemory::unmap_after(std::uintptr_t va, std::size_t bytes, StreamId s
   {
     const TimedCall timed(*owner_, owner_->counters_.unmap_ns);
     do_unmap_after(va, bytes, stream);
+  }
+  ++owner_->counters_.unmap_calls;
+  owner_->counters_.unmapped_bytes += bytes;
+}
+
+void VirtualMemory::unmap_now(std::uintptr_t va, std::size_t bytes) {
+  {
+    const TimedCall timed(*owner_, owner_->counters_.unmap_ns);
+    do_unmap_now(va, bytes);
   }
   ++owner_->counters_.unmap_calls;
   owner_->counters_.unmapped_bytes += bytes;

@@ -303,6 +303,28 @@ void SimBackend::do_unmap(std::uintptr_t va, std::size_t bytes) {
   remove_mappings(va, bytes);
 }
 
+void SimBackend::do_unmap_now(std::uintptr_t va, std::size_t bytes) {
+  maybe_throw(SimCall::unmap);
+  settle_unmaps(va, bytes);
+  check_unmap_range(va, bytes);
+  const std::uintptr_t end = va + bytes;
+  for (auto m = mappings_.find(va); m != mappings_.end() && m->first < end; ++m) {
+    charge(options_.costs.unmap_now_ns);
+  }
+  remove_mappings(va, bytes);
+}
+
+void SimBackend::do_release_unmapped(PhysicalHandle handle, std::size_t /*bytes*/) noexcept {
+  // A mapping elsewhere still waiting for a stream (unmap_after) keeps the memory until it runs,
+  // as on the device; the simulator settles it here (a rare case) so that no mapping outlives
+  // its handle.
+  if (auto ph = physical_.find(handle); ph != physical_.end() && ph->second.mappings > 0) {
+    settle_unmaps(0, 0, /*all=*/true);
+  }
+  physical_.erase(handle);
+  charge(options_.costs.release_physical_ns);
+}
+
 void SimBackend::charge_unmap(std::uintptr_t va, std::size_t bytes) noexcept {
   const std::uintptr_t end = va + bytes;
   for (auto m = mappings_.find(va); m != mappings_.end() && m->first < end; ++m) {
@@ -362,7 +384,9 @@ void SimBackend::settle_unmaps(std::uintptr_t va, std::size_t bytes, bool all) {
         continue;
       }
       // The caller waits for the stream, as the CUDA backend's map does (Note [Simulated time]).
+      const std::uint64_t before = clock_ns_;
       wait_until_done(events_.at(d.event));
+      unmap_wait_ns_ += clock_ns_ - before;
     }
     events_.erase(d.event);
     remove_mappings(d.va, d.bytes);

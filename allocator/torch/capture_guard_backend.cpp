@@ -128,6 +128,11 @@ void CaptureGuardBackend::do_unmap(std::uintptr_t va, std::size_t bytes) {
   inner_vm_->unmap(va, bytes);
 }
 
+void CaptureGuardBackend::do_unmap_now(std::uintptr_t va, std::size_t bytes) {
+  const Relaxed relaxed(*this);
+  inner_vm_->unmap_now(va, bytes);
+}
+
 void CaptureGuardBackend::do_unmap_after(std::uintptr_t va, std::size_t bytes, StreamId stream) {
   if (capturing()) {
     VirtualMemory::do_unmap_after(va, bytes, stream);  // waits: throws, as synchronize_event does

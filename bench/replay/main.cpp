@@ -155,7 +155,7 @@ int main(int argc, char** argv) {
     std::snprintf(buf, sizeof buf, " %s=%g", kind.c_str(), us);
     cost_help += buf;
   }
-  cost_help += " (create/release_physical/map per handle, unmap per mapping removed, pool_op per "
+  cost_help += " (create/release_physical/map per handle, unmap per mapping removed off the allocating thread, unmap_now per mapping removed on it (defrag's coalescing), pool_op per "
                "stream-ordered allocate or free)";
   app.add_option("--call-cost", call_costs, cost_help)->allow_extra_args(false);
   app.add_flag("--quiet,-q", quiet, "no progress output on stderr");

@@ -223,6 +223,7 @@ constexpr std::pair<const char*, std::uint64_t SimCallCosts::*> kCallCostFields[
     {"release_physical", &SimCallCosts::release_physical_ns},
     {"map", &SimCallCosts::map_ns},
     {"unmap", &SimCallCosts::unmap_ns},
+    {"unmap_now", &SimCallCosts::unmap_now_ns},
     {"pool_op", &SimCallCosts::pool_op_ns},
 };
 }  // namespace

@@ -741,7 +741,8 @@ void DefragEngine::make_live(Node* n) noexcept {
 std::vector<std::string_view> DefragPolicy::config_keys() {
   return {"va_reserve_gb", "grow_slack", "max_grow_slack", "move_budget", "small_size",
           "wait_for_streams", "move_pending", "pending_on_waits", "avoid_queued_unmaps",
-          "max_chunk_mb", "keep_small_mb", "stream_ranges", "slack_counts_parked", "top_at_limit"};
+          "max_chunk_mb", "keep_small_mb", "stream_ranges", "slack_counts_parked", "top_at_limit",
+          "coalesce_map_us"};
 }
 
 DefragSettings DefragPolicy::parse_settings(Config& config) {
@@ -792,6 +793,9 @@ DefragSettings DefragPolicy::parse_settings(Config& config) {
   }
   if (auto top = config.take_bool("top_at_limit")) {
     s.top_at_limit = *top;
+  }
+  if (auto us = config.take_double("coalesce_map_us", 0.0, 1e9)) {
+    s.coalesce_map_ns = static_cast<std::uint64_t>(*us * 1e3);
   }
   return s;
 }
@@ -885,6 +889,8 @@ std::vector<std::pair<std::string, std::int64_t>> DefragPolicy::stat_counters() 
   return {{"defrag.pages_created", v(c.pages_created)},   {"defrag.chunks_created", v(c.chunks_created)},
           {"defrag.pages_moved", v(c.pages_moved)},       {"defrag.chunks_moved", v(c.chunks_moved)},
           {"defrag.pages_moved_pending", v(c.pages_moved_pending)},
+          {"defrag.coalesced_growths", v(c.coalesced_growths)},
+          {"defrag.chunks_coalesced", v(c.chunks_coalesced)},
           {"defrag.placed_past_queued", v(c.placed_past_queued)},
           {"defrag.placed_above_queued", v(c.placed_above_queued)},
           {"defrag.placed_at_top", v(c.placed_at_top)},

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <span>
 #include <vector>
 
 namespace cachealloc::detail {
@@ -194,6 +195,9 @@ struct Arena {
 struct Chunk {
   PhysicalHandle handle;
   std::size_t pages;
+  /// Mapped nowhere now (created, or unmapped with unmap_now): it may be released at once
+  /// (Note [Coalescing moved chunks while maps are dear], defrag_grow.cpp).
+  bool loose = false;
 };
 
 struct Fence {
@@ -427,6 +431,18 @@ class alignas(64) DefragEngine {
   /// device is full).
   void create_pages(std::size_t count);
   [[nodiscard]] PhysicalHandle create_chunk(std::size_t pages);
+  /// Note [Coalescing moved chunks while maps are dear]: for a block of `size` bytes at `start`
+  /// whose `count` pages get mapped from `lo` (or, `at_top`, up to the end of `hole`), replaces
+  /// the loose chunks of scratch_ by new ones (coalesce_scratch) of the pages the run needs:
+  /// those before the pages wholly under the block, those, and those after. False (scratch_
+  /// released) when the device cannot hold them again.
+  bool coalesce_for(const Node* hole, std::uintptr_t lo, bool at_top, std::size_t count,
+                    std::uintptr_t start, std::size_t size);
+  /// Replaces the loose chunks by new chunks of `parts` pages each (split at max_chunk_pages_),
+  /// when that makes fewer chunks; false (scratch_ released) when the device is full.
+  bool coalesce_scratch(std::span<const std::size_t> parts);
+  /// Folds the time of a map of `handles` handles into map_ns_per_handle_.
+  void note_map_time(std::uint64_t ns, std::size_t handles) noexcept;
   /// New pages the slack allows for a request of `size` bytes.
   [[nodiscard]] std::size_t pages_within_slack(std::size_t size) const noexcept;
   /// Moves whole chunks of safe free holes into scratch_ until `want` pages, taking none that
@@ -533,6 +549,10 @@ class alignas(64) DefragEngine {
   std::uint64_t history_dropped_ = 0;
 
   std::vector<Chunk> scratch_;
+  /// Note [Coalescing moved chunks while maps are dear]: the moving average of a handle's map
+  /// time, and whether the growth under way coalesces.
+  double map_ns_per_handle_ = 0.0;
+  bool coalescing_ = false;
   std::vector<MapPiece> pieces_;  // scratch_ as map_run wants it (kept to reuse its storage)
   std::size_t max_chunk_pages_ = 1;
   /// Note [Pages that come back] (defrag_grow.cpp): the kind whose range gave pages in the last

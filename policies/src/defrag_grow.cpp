@@ -426,6 +426,9 @@ Node* DefragEngine::grow(std::uint32_t kind, std::uint32_t cls, std::size_t size
       }
     }
     ++counters_.grow_allocations;
+    // Note [Coalescing moved chunks while maps are dear]
+    coalescing_ = settings_.coalesce_map_ns == 0 ||
+                  map_ns_per_handle_ > static_cast<double>(settings_.coalesce_map_ns);
     const std::uint64_t moved_before = counters_.pages_moved;
     const std::uint64_t waits_before = counters_.stream_waits;
     const std::uint64_t wait_ns_before = counters_.wait_ns;
@@ -462,6 +465,9 @@ Node* DefragEngine::grow(std::uint32_t kind, std::uint32_t cls, std::size_t size
         return nullptr;
       }
     }
+    if (coalescing_ && !coalesce_for(hole, lo, at_top, count, start, size)) {
+      return nullptr;  // the device cannot hold the pages again (scratch_ released)
+    }
     const std::size_t total = scratch_pages();
     Arena& arena = *hole->arena;
     const std::uintptr_t map_at = at_top ? hole->end() - total * page_ : lo;
@@ -487,7 +493,14 @@ Node* DefragEngine::grow(std::uint32_t kind, std::uint32_t cls, std::size_t size
       for (const Chunk& c : scratch_) {
         pieces_.push_back(MapPiece{c.handle, c.pages * page_});
       }
+      // Note [Coalescing moved chunks while maps are dear]: the map's own time, without the
+      // wait for unmaps queued in its range (coalescing would not shorten that).
+      const std::uint64_t waited_before = vm_.unmap_wait_ns();
+      const std::uint64_t map_started = backend_.clock_ns();
       vm_.map_run(map_at, pieces_);  // all or nothing
+      const std::uint64_t took = backend_.clock_ns() - map_started;
+      const std::uint64_t waited = vm_.unmap_wait_ns() - waited_before;
+      note_map_time(took > waited ? took - waited : 0, pieces_.size());
     } catch (...) {
       if (below != nullptr) {
         recycle(below);
@@ -674,8 +687,11 @@ void DefragEngine::create_pages(std::size_t count) {
     least = std::max(least,
                      static_cast<std::size_t>(raised / static_cast<double>(page_)) / kChunksPerGrowth);
   }
-  const std::size_t chunk = std::clamp<std::size_t>(
+  std::size_t chunk = std::clamp<std::size_t>(
       count / kChunksPerGrowth, std::min({least, count, max_chunk_pages_}), max_chunk_pages_);
+  if (coalescing_) {  // Note [Coalescing moved chunks while maps are dear]: every handle costs
+    chunk = std::min(count, max_chunk_pages_);
+  }
   scratch_.reserve(scratch_.size() + (count + chunk - 1) / chunk);
   while (count > 0) {
     std::size_t pages = std::min(count, chunk);
@@ -688,7 +704,7 @@ void DefragEngine::create_pages(std::size_t count) {
     if (h == 0) {
       return;
     }
-    scratch_.push_back(Chunk{h, pages});
+    scratch_.push_back(Chunk{h, pages, /*loose=*/true});
     count -= pages;
   }
 }
@@ -702,6 +718,122 @@ PhysicalHandle DefragEngine::create_chunk(std::size_t pages) {
     ++counters_.chunks_created;
   }
   return h;
+}
+
+// Note [Coalescing moved chunks while maps are dear]
+// A map costs the allocating thread one cuMemSetAccess per handle mapped, whatever the handle's
+// size: on an idle H100 23-47 us, but about 1 ms per handle while device-to-host copies run
+// (bench/micro/vmm_probe.cpp, Note [Maps while copy engines run]), as they do all through an
+// offloading job's forward pass. A growth that moves pages maps one handle per chunk it moved,
+// so bench/e2e offload_train mapped 46.6 handles per step on an H100 at 200 us each, 9.3 ms of
+// its 111 ms step (bench/results/e2e_h100_2026-12-06_s36a.md). Session 36's probe answered the
+// rest on an H100 (bench/results/vmm_probe_h100_2026-12-06_s36.txt): under the same copies
+// cuMemCreate costs 14-17 us, cuMemRelease 18-49 us and cuMemUnmap 23-34 us per handle, and
+// the access calls do not hold back the copies themselves (3 GiB in 59.6 ms alone, 59.8 ms
+// while a thread mapped a page over and over).
+// So while maps are dear a growth coalesces: the chunks it takes from safe holes are unmapped on
+// the allocating thread (unmap_now, not queued for the backend's unmap thread), every chunk it
+// gathered that is now mapped nowhere (those, and the ones it created) is released, and their
+// pages are created again as one handle (or as few as max_chunk_mb allows), which the growth
+// maps: one access call instead of one per chunk, for about 60 us of unmap and release per
+// chunk. The unmap comes before the release and the release before the create, so the device
+// never holds both (a chunk still mapped elsewhere, behind a stream's work, keeps its memory
+// until that unmap runs: rare, as such chunks are taken only once the stream finished that
+// work). Chunks moved pending (Note [Moving pages a stream still uses]) stay as they are: their
+// memory is still in use. New pages then also come as one chunk, not kChunksPerGrowth: the
+// chunk size no longer buys cheap moves when every handle mapped costs a millisecond.
+// "Dear" is the moving average (weight 1/4 for the newest) of the map time per handle over the
+// growths so far (the map's own time: a wait for unmaps queued in its range, VirtualMemory::
+// unmap_wait_ns, is not per handle and coalescing would not shorten it), against coalesce_map_us (default 200 us: idle maps stay well below, maps under
+// copies far above; coalescing costs more than it saves below about 2 x 60 us). The simulated
+// device charges every map the same (55 us by default), so replays do not coalesce unless a
+// --call-cost map= above the setting (or coalesce_map_us:0) asks for it. What it costs: a
+// coalesced handle moves only as a whole, so later growths find fewer chunks wholly inside free
+// holes, as with larger chunks (Note [Chunks]).
+bool DefragEngine::coalesce_for(const Node* hole, std::uintptr_t lo, bool at_top, std::size_t count,
+                                std::uintptr_t start, std::size_t size) {
+  // The run maps the chunks that stay (moved pending) first, then the new ones; the new pages
+  // split where the block's partly covered edge pages begin, so that the pages wholly under the
+  // block make a chunk that moves once the block is freed, whatever its neighbours do.
+  std::size_t fixed = 0;
+  for (const Chunk& c : scratch_) {
+    fixed += c.loose ? 0 : c.pages;
+  }
+  const std::size_t total = std::max(count, fixed);
+  const std::uintptr_t run = at_top ? hole->end() - total * page_ : lo;
+  const std::uintptr_t fresh = run + fixed * page_;
+  const std::uintptr_t fresh_end = run + total * page_;
+  const std::uintptr_t inner_lo = std::clamp(page_up(start), fresh, fresh_end);
+  const std::uintptr_t inner_hi = std::clamp(page_down(start + size), inner_lo, fresh_end);
+  const std::size_t parts[] = {(inner_lo - fresh) / page_, (inner_hi - inner_lo) / page_,
+                               (fresh_end - inner_hi) / page_};
+  try {
+    return coalesce_scratch(parts);
+  } catch (...) {
+    release_scratch();
+    throw;
+  }
+}
+
+bool DefragEngine::coalesce_scratch(std::span<const std::size_t> parts) {
+  std::size_t loose_chunks = 0;
+  for (const Chunk& c : scratch_) {
+    loose_chunks += c.loose ? 1 : 0;
+  }
+  std::size_t needed = 0;
+  for (const std::size_t p : parts) {
+    needed += (p + max_chunk_pages_ - 1) / max_chunk_pages_;
+  }
+  if (needed >= loose_chunks) {
+    return true;
+  }
+  std::size_t kept = 0;
+  for (const Chunk& c : scratch_) {
+    if (c.loose) {
+      vm_.release_unmapped(c.handle, c.pages * page_);
+      held_pages_ -= c.pages;
+      --held_chunks_;
+      counters_.pages_released += c.pages;
+      ++counters_.chunks_coalesced;
+    } else {
+      scratch_[kept++] = c;
+    }
+  }
+  scratch_.resize(kept);
+  ++counters_.coalesced_growths;
+  for (const std::size_t part : parts) {
+    for (std::size_t left = part; left > 0;) {
+      std::size_t pages = std::min(left, max_chunk_pages_);
+      PhysicalHandle h = create_chunk(pages);
+      while (h == 0 && pages > 1) {  // as create_pages: halve, down to a page
+        pages /= 2;
+        h = create_chunk(pages);
+      }
+      if (h == 0) {
+        release_scratch();
+        return false;
+      }
+      try {
+        scratch_.push_back(Chunk{h, pages, /*loose=*/true});
+      } catch (...) {
+        vm_.release_physical(h, pages * page_);
+        held_pages_ -= pages;
+        --held_chunks_;
+        counters_.pages_released += pages;
+        throw;
+      }
+      left -= pages;
+    }
+  }
+  return true;
+}
+
+void DefragEngine::note_map_time(std::uint64_t ns, std::size_t handles) noexcept {
+  if (handles == 0) {
+    return;
+  }
+  const double per = static_cast<double>(ns) / static_cast<double>(handles);
+  map_ns_per_handle_ = map_ns_per_handle_ == 0.0 ? per : map_ns_per_handle_ + (per - map_ns_per_handle_) / 4;
 }
 
 void DefragEngine::release_scratch() noexcept {
@@ -1122,6 +1254,7 @@ std::size_t DefragEngine::take_pages(Node* n, std::size_t want, std::size_t room
   }
   const std::uintptr_t old_end = n->end();
   const std::uint32_t owner = n->cls;  // n may turn into the unmapped part below
+  const bool loose = coalescing_ && after_stream == nullptr;
   const std::uint64_t stamp = n->stamp;
   // What can fail comes first (host allocations, then the device call); after the unmap only
   // re-linking and re-keying remain, which cannot fail.
@@ -1149,6 +1282,8 @@ std::size_t DefragEngine::take_pages(Node* n, std::size_t want, std::size_t room
     scratch_.reserve(scratch_.size() + chunks);
     if (after_stream != nullptr) {
       vm_.unmap_after(cut, k * page_, *after_stream);  // Note [Moving pages a stream still uses]
+    } else if (loose) {  // Note [Coalescing moved chunks while maps are dear]
+      vm_.unmap_now(cut, k * page_);
     } else {
       vm_.unmap(cut, k * page_);
     }
@@ -1170,7 +1305,7 @@ std::size_t DefragEngine::take_pages(Node* n, std::size_t want, std::size_t room
     while (j < end && arena.pages[j] == h) {
       arena.pages[j++] = 0;
     }
-    scratch_.push_back(Chunk{h, j - i});
+    scratch_.push_back(Chunk{h, j - i, loose});
     i = j;
   }
   if (mid == nullptr) {
@@ -1229,6 +1364,7 @@ Node* DefragEngine::make_fresh(Node* hole, std::uintptr_t begin, std::uintptr_t 
 // ============================================================================ release
 
 std::size_t DefragEngine::release_cached() {
+  coalescing_ = false;  // its pages go back to the device: unmapped the usual way
   flush_recent();
   wait_all();
   // Every hole is safe now: merge all neighbours the streams kept apart.

@@ -114,12 +114,29 @@ void run_thread(DeviceAllocator& alloc, int thread, long ops, std::size_t max_by
 
 }  // namespace
 
+namespace {
+void stress(const std::string& policy, const std::string& settings);
+}  // namespace
+
 TEST_CASE("pattern-fill stress: 4 threads, own streams, cross-stream frees", "[gpu][stress]") {
   const std::string policy = GENERATE(from_range(gpu_policy_names()));
   CAPTURE(policy);
+  stress(policy, "");
+}
+
+// Note [Coalescing moved chunks while maps are dear] (policies/src/defrag_grow.cpp): with
+// coalesce_map_us:0 every growth that gathers several chunks unmaps them on this thread,
+// releases them and maps one new handle in their place (cuda_vmm's unmap_now and
+// release_unmapped), which an idle GPU would otherwise never do.
+TEST_CASE("pattern-fill stress: defrag coalescing every growth's chunks", "[gpu][stress][defrag]") {
+  stress("defrag", "coalesce_map_us:0,grow_slack:0");
+}
+
+namespace {
+void stress(const std::string& policy, const std::string& settings) {
   const long ops = env_or("CACHEALLOC_GPU_STRESS_OPS", 1500);
   const std::size_t max_bytes = static_cast<std::size_t>(env_or("CACHEALLOC_GPU_STRESS_MAX_MB", 64)) * kMiB;
-  auto alloc = make_gpu_allocator(policy);
+  auto alloc = make_gpu_allocator(policy, settings);
 
   std::vector<std::unique_ptr<TestStream>> own;
   std::vector<std::unique_ptr<TestStream>> other;
@@ -164,9 +181,21 @@ TEST_CASE("pattern-fill stress: 4 threads, own streams, cross-stream frees", "[g
   const Stats s = alloc->stats();
   CHECK(s.allocated_bytes.current == 0);
   CHECK(s.requested_bytes.current == 0);
+  if (settings.find("coalesce_map_us:0") != std::string::npos) {
+    std::int64_t coalesced = -1;
+    for (const auto& [name, value] : s.policy_counters) {
+      if (name == "defrag.coalesced_growths") {
+        coalesced = value;
+      }
+    }
+    std::printf("stress %s (%s): %lld growths coalesced their chunks\n", policy.c_str(),
+                settings.c_str(), static_cast<long long>(coalesced));
+    CHECK(coalesced > 0);
+  }
   alloc->empty_cache();
   CHECK(alloc->stats().active_bytes.current == 0);
   CHECK(alloc->stats().reserved_bytes.current == 0);
 }
+}  // namespace
 
 }  // namespace cachealloc::gpu_test

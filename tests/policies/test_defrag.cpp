@@ -462,6 +462,11 @@ TEST_CASE("defrag: settings come from CACHEALLOC_CONF and are validated", "[defr
   CHECK(settings_from("grow_slack:0.3").max_grow_slack == 0.3);  // never below grow_slack
   CHECK(settings_from("max_grow_slack:0.01").max_grow_slack == 0.01);
   CHECK(d.move_budget == 0.02);
+  CHECK(d.coalesce_map_ns == 200'000);
+  CHECK(settings_from("coalesce_map_us:0").coalesce_map_ns == 0);
+  CHECK(settings_from("coalesce_map_us:1.5").coalesce_map_ns == 1'500);
+  CHECK_THROWS_AS(settings_from("coalesce_map_us:-1"), ConfigError);
+  CHECK_THROWS_AS(settings_from("coalesce_map_us:fast"), ConfigError);
   CHECK(settings_from("move_budget:1").move_budget == 1.0);
   CHECK_THROWS_AS(settings_from("move_budget:-0.1"), ConfigError);
   CHECK_THROWS_AS(settings_from("move_budget:2"), ConfigError);
@@ -487,7 +492,7 @@ TEST_CASE("defrag: settings come from CACHEALLOC_CONF and are validated", "[defr
   CHECK_FALSE(settings_from("top_at_limit:False").top_at_limit);
   CHECK_THROWS_AS(settings_from("top_at_limit:top"), ConfigError);
   const auto keys = DefragPolicy::config_keys();
-  CHECK(keys.size() == 14);
+  CHECK(keys.size() == 15);
 }
 
 TEST_CASE("defrag: keep_small_mb keeps freed small blocks for their stream and size",
@@ -564,6 +569,74 @@ TEST_CASE("defrag: a growth creates about sixteen chunks, mapped as one run", "[
     f.free(big);
     f.free(keep);
     f.check();
+  }
+}
+
+// Note [Coalescing moved chunks while maps are dear] (defrag_grow.cpp).
+TEST_CASE("defrag: while maps are dear, a growth maps the chunks it gathered as one new handle",
+          "[defrag][coalesce]") {
+  SECTION("forced (coalesce_map_us:0): five moved chunks become one, the surplus goes back") {
+    // The device holds exactly the ten blocks: the new handle can only be created once the
+    // moved chunks are unmapped and released, never beside them.
+    Fixture f("grow_slack:0,coalesce_map_us:0", 200 * MiB);
+    std::vector<Block> blocks;
+    for (int i = 0; i < 10; ++i) {
+      blocks.push_back(f.alloc(20 * MiB));  // each growth makes one chunk of 10 pages
+    }
+    CHECK(f.policy.counters().chunks_created == 10);
+    CHECK(f.policy.reserved_bytes() == 200 * MiB);
+    for (int i = 0; i < 10; i += 2) {
+      f.free(blocks[i]);  // five free holes of one chunk each; their stream is done (auto_complete)
+    }
+    const DefragCounters before = f.policy.counters();
+    const std::uint64_t maps_before = f.sim.counters().map_calls;
+    const Block big = f.alloc(90 * MiB);
+    REQUIRE(big);
+    const DefragCounters after = f.policy.counters();
+    CHECK(after.chunks_moved - before.chunks_moved == 5);
+    CHECK(after.chunks_coalesced - before.chunks_coalesced == 5);
+    CHECK(after.coalesced_growths - before.coalesced_growths == 1);
+    CHECK(f.sim.counters().map_calls - maps_before == 1);  // one handle of 45 pages
+    CHECK(f.policy.reserved_bytes() == 190 * MiB);  // the five pages nobody needs went back
+    CHECK(f.sim.held_bytes() == 190 * MiB);
+    CHECK(f.sim.live_physical() == 6);  // the five blocks' chunks and the new one
+    f.free(big);
+    for (int i = 1; i < 10; i += 2) {
+      f.free(blocks[i]);
+    }
+    f.policy.release_cached();
+    f.check();
+    CHECK(f.sim.live_physical() == 0);
+  }
+  SECTION("by cost: the simulated device's maps at 1 ms each turn it on, at 55 us they do not") {
+    const bool dear = GENERATE(true, false);
+    CAPTURE(dear);
+    SimOptions o{0, 8 * kGiB, 2 * MiB, /*auto_complete_events=*/true};
+    o.model_call_costs = true;
+    o.costs.map_ns = dear ? 1'000'000 : 55'000;
+    SimBackend sim(o);
+    DefragPolicy policy(sim, settings_from("grow_slack:0"));
+    std::vector<Block> blocks;
+    for (int i = 0; i < 10; ++i) {
+      blocks.push_back(policy.allocate(20 * MiB, 0));
+    }
+    for (int i = 0; i < 10; i += 2) {
+      policy.deallocate(blocks[i], 0);
+    }
+    const std::uint64_t maps_before = sim.counters().map_calls;
+    const Block big = policy.allocate(90 * MiB, 0);
+    REQUIRE(big);
+    policy.check_invariants();
+    CHECK((policy.counters().coalesced_growths > 0) == dear);
+    // Cheap maps: every moved chunk (five per 20 MiB block) mapped on its own.
+    CHECK((sim.counters().map_calls - maps_before == 1) == dear);
+    policy.deallocate(big, 0);
+    for (int i = 1; i < 10; i += 2) {
+      policy.deallocate(blocks[i], 0);
+    }
+    policy.release_cached();
+    policy.check_invariants();
+    CHECK(sim.live_physical() == 0);
   }
 }
 
@@ -738,7 +811,8 @@ TEST_CASE("defrag: pages under free holes move where memory is needed", "[defrag
   CHECK(m.at("defrag.placed_top_at_limit") == 0);  // the slack never reached its limit here
   CHECK(m.at("defrag.pending_switches") == 0);  // move_pending was set, not switched to
   CHECK(m.at("defrag.held_growths") == 0);      // no front end held its growth
-  CHECK(m.size() == 28);
+  CHECK(m.at("defrag.coalesced_growths") == 0);  // maps are not dear here
+  CHECK(m.size() == 30);
 }
 
 TEST_CASE("defrag: a growth is placed away from a range whose unmap still waits for its stream",
@@ -1533,11 +1607,14 @@ TEST_CASE("defrag: a producer stream that hands batches over stays within the sl
 
 namespace {
 
-void run_oracle_sequence(std::uint64_t seed, std::uint64_t steps, bool faults) {
+void run_oracle_sequence(std::uint64_t seed, std::uint64_t steps, bool faults, bool coalesce = false) {
   // Every third seed keeps freed small blocks (Note [Recently freed small blocks in defrag]).
-  OracleFixture f(seed % 3 == 2   ? "grow_slack:0.01,keep_small_mb:4"
-                  : seed % 2 == 0 ? "grow_slack:0"
-                                  : "grow_slack:0.01,small_size:64KB",
+  // `coalesce`: every growth coalesces its chunks (Note [Coalescing moved chunks while maps are
+  // dear]), unmapping them with unmap_now and releasing them before it creates their pages again.
+  OracleFixture f(std::string(seed % 3 == 2   ? "grow_slack:0.01,keep_small_mb:4"
+                              : seed % 2 == 0 ? "grow_slack:0"
+                                              : "grow_slack:0.01,small_size:64KB") +
+                      (coalesce ? ",coalesce_map_us:0" : ""),
                   768 * MiB);
   std::mt19937_64 rng(seed);
   struct Live {
@@ -2145,12 +2222,18 @@ TEST_CASE("defrag: randomized sequences keep every invariant and the stream orac
   for (std::uint64_t seed = 1; seed <= 4; ++seed) {
     run_oracle_sequence(seed, steps, /*faults=*/false);
   }
+  for (std::uint64_t seed = 5; seed <= 6; ++seed) {
+    run_oracle_sequence(seed, steps, /*faults=*/false, /*coalesce=*/true);
+  }
 }
 
 TEST_CASE("defrag: randomized sequences with injected device failures", "[defrag][random][faults]") {
   const std::uint64_t steps = CACHEALLOC_CHECK_LEVEL >= 3 ? 50000 : 10000;
   for (std::uint64_t seed = 101; seed <= 104; ++seed) {
     run_oracle_sequence(seed, steps, /*faults=*/true);
+  }
+  for (std::uint64_t seed = 105; seed <= 106; ++seed) {
+    run_oracle_sequence(seed, steps, /*faults=*/true, /*coalesce=*/true);
   }
 }
 

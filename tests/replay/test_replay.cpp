@@ -361,7 +361,7 @@ TEST_CASE("replay: --call-cost sets what a simulated device call costs, and reje
   }
   CHECK(c.map_ns == 65'000);  // a rejected spec changes nothing
   const auto kinds = replay::call_cost_kinds(c);
-  REQUIRE(kinds.size() == 7);
+  REQUIRE(kinds.size() == 8);
   CHECK(kinds[4] == std::pair<std::string, double>{"map", 65.0});
   // A replay charges them: the same trace, its stream-ordered pool calls ten times dearer
   // (policy async), costs the simulated host more.

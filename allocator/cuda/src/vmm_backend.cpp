@@ -262,6 +262,16 @@ void CudaVmmBackend::do_release_physical(PhysicalHandle handle, std::size_t /*by
   }
 }
 
+void CudaVmmBackend::do_release_unmapped(PhysicalHandle handle, std::size_t /*bytes*/) noexcept {
+  try {
+    const cuda_detail::DriverApi& api = cuda_detail::driver_api();
+    CudaDeviceGuard guard(device(), /*force=*/true);
+    CACHEALLOC_CU_WARN(api.mem_release(static_cast<CUmemGenericAllocationHandle>(handle)));
+  } catch (const Error& e) {
+    cuda_detail::warn_exception(__func__, e);
+  }
+}
+
 void CudaVmmBackend::do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) {
   const MapPiece piece{handle, bytes};
   do_map_run(va, std::span<const MapPiece>(&piece, 1));
@@ -289,6 +299,15 @@ void CudaVmmBackend::do_map_run(std::uintptr_t va, std::span<const MapPiece> pie
     }
     CACHEALLOC_CU_CHECK(status);
   }
+}
+
+void CudaVmmBackend::do_unmap_now(std::uintptr_t va, std::size_t bytes) {
+  if (unmapper_ != nullptr) {
+    unmapper_->wait_for(va, bytes);
+  }
+  const cuda_detail::DriverApi& api = cuda_detail::driver_api();
+  CudaDeviceGuard guard(device(), /*force=*/true);
+  CACHEALLOC_CU_CHECK(api.mem_unmap(to_cu(va), bytes));
 }
 
 // Note [Unmapping does not wait for the device] in vmm_backend.h.

@@ -104,6 +104,21 @@ class VirtualMemory {
   /// this range waits until the unmap ran. Where unmaps_after_streams() is false this waits for
   /// the stream here (an event recorded and synchronised), then unmaps.
   void unmap_after(std::uintptr_t va, std::size_t bytes, StreamId stream);
+  /// Unmaps [va, va + bytes) on the calling thread before returning, where unmap() may hand the
+  /// work to a thread of the backend (cuda_vmm's background_unmap): for pages no stream uses any
+  /// more whose handles are released right after (release_unmapped), so that their memory is
+  /// back before new memory is created in their place (Note [Coalescing moved chunks while maps
+  /// are dear], defrag_grow.cpp).
+  void unmap_now(std::uintptr_t va, std::size_t bytes);
+  /// Releases a handle unmapped by unmap_now(), without waiting for unrelated unmaps queued on
+  /// the backend's thread (release_physical() waits for them all, so that its memory is back
+  /// when it returns). A mapping of the handle still queued elsewhere keeps its memory until it
+  /// runs, as the driver frees a handle's memory when its last mapping goes.
+  void release_unmapped(PhysicalHandle handle, std::size_t bytes) noexcept;
+  /// Time (on the owning backend's clock_ns()) that calls spent waiting for queued unmaps to run
+  /// (a map waits for those of its range), summed since construction; 0 where unmaps are never
+  /// queued. Lets a policy tell a map's own cost from such waits.
+  [[nodiscard]] virtual std::uint64_t unmap_wait_ns() const noexcept { return 0; }
   /// Whether unmap_after() returns without waiting for the stream.
   [[nodiscard]] virtual bool unmaps_after_streams() const noexcept { return false; }
   /// Where unmaps still waiting for a stream's work (unmap_after(), or on cuda_vmm's thread
@@ -127,6 +142,12 @@ class VirtualMemory {
   virtual void do_unmap(std::uintptr_t va, std::size_t bytes) = 0;
   /// Default: do_map piece by piece, undoing the pieces mapped when one fails.
   virtual void do_map_run(std::uintptr_t va, std::span<const MapPiece> pieces);
+  /// Default: do_unmap (which does not return before the pages are unmapped).
+  virtual void do_unmap_now(std::uintptr_t va, std::size_t bytes) { do_unmap(va, bytes); }
+  /// Default: do_release_physical.
+  virtual void do_release_unmapped(PhysicalHandle handle, std::size_t bytes) noexcept {
+    do_release_physical(handle, bytes);
+  }
   /// Default: waits for `stream` (an event of the owning backend), then do_unmap.
   virtual void do_unmap_after(std::uintptr_t va, std::size_t bytes, StreamId stream);
 

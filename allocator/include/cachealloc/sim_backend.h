@@ -84,6 +84,9 @@ struct SimCallCosts {
   std::uint64_t release_physical_ns = 13'600;  ///< cuMemRelease, per handle
   std::uint64_t map_ns = 55'000;               ///< cuMemMap + cuMemSetAccess, per handle mapped
   std::uint64_t unmap_ns = 3'000;              ///< per mapping removed (background_unmap's share)
+  /// VirtualMemory::unmap_now, per mapping removed: cuMemUnmap on the allocating thread, 21-34 us
+  /// per handle on an H100, idle or under device-to-host copies (session 36's probe).
+  std::uint64_t unmap_now_ns = 25'000;
   /// A stream-ordered allocate_async or free_async: half of a warm cudaMallocAsync +
   /// cudaFreeAsync pair on an H200 (1.45 us).
   std::uint64_t pool_op_ns = 725;
@@ -211,6 +214,9 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
   void do_map(std::uintptr_t va, std::size_t bytes, PhysicalHandle handle) override;
   void do_unmap(std::uintptr_t va, std::size_t bytes) override;
   void do_unmap_after(std::uintptr_t va, std::size_t bytes, StreamId stream) override;
+  void do_unmap_now(std::uintptr_t va, std::size_t bytes) override;
+  [[nodiscard]] std::uint64_t unmap_wait_ns() const noexcept override { return unmap_wait_ns_; }
+  void do_release_unmapped(PhysicalHandle handle, std::size_t bytes) noexcept override;
   /// Throws DeviceError unless [va, va+bytes) covers whole mappings exactly.
   void check_unmap_range(std::uintptr_t va, std::size_t bytes) const;
   /// Removes the mappings of [va, va+bytes) (checked) without charging for them.
@@ -261,6 +267,7 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
     std::size_t bytes;
     int mappings;
   };
+  std::uint64_t unmap_wait_ns_ = 0;  // clock time settle_unmaps() waited for streams
   std::unordered_map<PhysicalHandle, Physical> physical_;
   PhysicalHandle next_handle_ = 1;
   std::map<std::uintptr_t, std::pair<std::size_t, PhysicalHandle>> mappings_;  // va -> (bytes, handle)

@@ -74,6 +74,11 @@
 //                     growths at the top of their address range instead of in the best-fitting
 //                     hole, so that the layout settles and the moves stop (default True; Note
 //                     [Growing at the top once moves cost too much at the limit], defrag_grow.cpp)
+//   coalesce_map_us   while mapping a handle has lately cost more than this many microseconds
+//                     (a moving average; device-to-host copies running make it about 1 ms), a
+//                     growth releases the chunks it moved or created and maps their pages as one
+//                     new handle instead (default 200; 0: always; 1e9: never) (Note [Coalescing
+//                     moved chunks while maps are dear], defrag_grow.cpp)
 // The front end's wait_parked_to_grow (allocator.h) holds this policy's growth (hold_growth) while
 // it waits for parked frees instead.
 //
@@ -161,6 +166,9 @@ struct DefragSettings {
   bool slack_counts_parked = false;
   /// Note [Growing at the top once moves cost too much at the limit] (defrag_grow.cpp).
   bool top_at_limit = true;
+  /// Note [Coalescing moved chunks while maps are dear] (defrag_grow.cpp): the moving average
+  /// of a handle's map time above which growths coalesce their chunks (0: always).
+  std::uint64_t coalesce_map_ns = 200'000;
 };
 
 /// What the policy did to the device, beyond the backend's own map/unmap counters.
@@ -170,7 +178,11 @@ struct DefragCounters {
   std::uint64_t recent_flushes = 0;  ///< times those blocks were merged into the holes
   std::uint64_t chunks_created = 0;  ///< create_physical() calls (one chunk of pages each)
   std::uint64_t chunks_moved = 0;    ///< chunks unmapped from a free hole to be mapped elsewhere
-  std::uint64_t pages_released = 0;  ///< pages given back (release_cached, failed growth)
+  std::uint64_t pages_released = 0;  ///< pages given back (release_cached, failed growth, coalescing)
+  /// Note [Coalescing moved chunks while maps are dear] (defrag_grow.cpp): growths that released
+  /// the chunks they gathered and created one handle (or a few) in their place, and those chunks.
+  std::uint64_t coalesced_growths = 0;
+  std::uint64_t chunks_coalesced = 0;
   std::uint64_t pages_mapped = 0;    ///< pages mapped under new blocks
   std::uint64_t pages_moved = 0;     ///< pages unmapped from a free hole to be mapped elsewhere
   /// Of which from the allocating stream's own holes its queued work may still use, unmapped

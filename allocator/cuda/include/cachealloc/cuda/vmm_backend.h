@@ -101,6 +101,13 @@ class CudaVmmBackend final : public CudaRuntimeBackend, private VirtualMemory {
   void do_unmap(std::uintptr_t va, std::size_t bytes) override;
   void do_map_run(std::uintptr_t va, std::span<const MapPiece> pieces) override;
   void do_unmap_after(std::uintptr_t va, std::size_t bytes, StreamId stream) override;
+  /// cuMemUnmap on this thread, after any queued unmap of the range (none is expected there).
+  void do_unmap_now(std::uintptr_t va, std::size_t bytes) override;
+  [[nodiscard]] std::uint64_t unmap_wait_ns() const noexcept override {
+    return unmapper_ != nullptr ? unmapper_->blocked_ns() : 0;
+  }
+  /// cuMemRelease without draining the unmap thread's queue.
+  void do_release_unmapped(PhysicalHandle handle, std::size_t bytes) noexcept override;
 
   /// Waits for every queued unmap (nothing when there is no background thread).
   void drain_unmaps();
