@@ -72,21 +72,22 @@ PhysicalHandle VirtualMemory::create_physical(std::size_t bytes) {
 }
 
 void VirtualMemory::release_physical(PhysicalHandle handle, std::size_t bytes) noexcept {
-  DeviceBackend& b = *owner_;
-  {
-    const TimedCall timed(b, b.counters_.release_physical_ns);
-    do_release_physical(handle, bytes);
-  }
-  ++b.counters_.physical_releases;
-  b.held_bytes_ -= bytes;
-  physical_bytes_ -= bytes;
+  release_handle(handle, bytes, /*unmapped=*/false);
 }
 
 void VirtualMemory::release_unmapped(PhysicalHandle handle, std::size_t bytes) noexcept {
+  release_handle(handle, bytes, /*unmapped=*/true);
+}
+
+void VirtualMemory::release_handle(PhysicalHandle handle, std::size_t bytes, bool unmapped) noexcept {
   DeviceBackend& b = *owner_;
   {
     const TimedCall timed(b, b.counters_.release_physical_ns);
-    do_release_unmapped(handle, bytes);
+    if (unmapped) {
+      do_release_unmapped(handle, bytes);
+    } else {
+      do_release_physical(handle, bytes);
+    }
   }
   ++b.counters_.physical_releases;
   b.held_bytes_ -= bytes;

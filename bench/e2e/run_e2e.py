@@ -201,6 +201,8 @@ COUNTER_KEYS = ("allocator_ns", "alloc_calls", "free_calls", "num_device_alloc",
                 "defrag.placed_at_top", "defrag.placed_top_at_limit",
                 "defrag.budget_raises", "defrag.return_raises", "defrag.slack_returns",
                 "defrag.pending_switches", "defrag.held_growths",
+                # Note [Coalescing moved chunks while maps are dear] (defrag_grow.cpp)
+                "defrag.coalesced_growths", "defrag.chunks_coalesced",
                 # the slack in force at the end (ppm) and the pages created beyond it (Note [Why
                 # pages were created beyond the slack]): did a run end at max_grow_slack?
                 "defrag.slack_ppm", "defrag.beyond_slack_pages",
@@ -1026,8 +1028,9 @@ def _defrag_run(r: dict[str, Any]) -> Optional[dict[str, Any]]:
     slack raises (of which on time), whether it switched to moving pending, the share of its
     charged growth time spent waiting for streams, its growths placed above queued unmaps or at
     the top of a hole, those placed at the top of their range by top_at_limit, and (where the
-    counters have them) the slack at the end of the run and the
-    pages created beyond the slack (None for other allocators)."""
+    counters have them) the slack at the end of the run, the
+    pages created beyond the slack and the growths that coalesced their chunks (Note [Coalescing
+    moved chunks while maps are dear]) (None for other allocators)."""
     c = r.get("defrag_counters_run")
     if not c or "defrag.pending_switches" not in c or r.get("peak_bytes") is None:
         return None
@@ -1040,7 +1043,8 @@ def _defrag_run(r: dict[str, Any]) -> Optional[dict[str, Any]]:
             "above": c.get("defrag.placed_above_queued"), "top": c.get("defrag.placed_at_top"),
             "top_at_limit": c.get("defrag.placed_top_at_limit"),
             "slack": c["defrag.slack_ppm"] / 1e6 if "defrag.slack_ppm" in c else None,
-            "beyond": c.get("defrag.beyond_slack_pages")}
+            "beyond": c.get("defrag.beyond_slack_pages"),
+            "coalesced": c.get("defrag.coalesced_growths"), "coalesced_chunks": c.get("defrag.chunks_coalesced")}
 
 
 _SLACK_EVENT_WORDS = {"count_raise": "dense moves", "time_raise": "on time", "return_raise": "pages came back",
@@ -1412,11 +1416,14 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any], meta: dict[str, 
                        f"much at the limit" if d.get("top_at_limit") else "")
                     + (f" / slack {d['slack']:.3f} at the end" if d.get("slack") is not None else "")
                     + (f", {d['beyond']} pages created beyond it" if d.get("beyond") else "")
+                    + (f" / {d['coalesced']} growths coalesced {d['coalesced_chunks']} chunks"
+                       if d.get("coalesced") else "")
                     for d in ds)
                 lines.append(f"- {cfg}, each run's whole life (peak / slack raises / switched to moving "
                              f"pending / waits' share of the growths that moved or waited / stream waits and "
                              f"their mean length, where it waited; the slack at the end and the pages "
-                             f"created beyond the slack, where counted): {per_run}; "
+                             f"created beyond the slack, where counted; growths that coalesced their "
+                             f"chunks, where any did): {per_run}; "
                              f"switched in {sum(d['switched'] for d in ds)} of {len(ds)}")
         paths = [(cfg, r["slack_paths"]) for cfg, r in rows.items() if r.get("slack_paths")]
         if paths:

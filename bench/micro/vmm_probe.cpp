@@ -98,6 +98,12 @@
 //                         the copies back. Session 35's offload_train held more memory in flight
 //                         (frees waiting for the copy stream) under defrag than under expandable
 //                         segments (bench/results/defrag_session35_2026-12-06.md).
+// Answered on an H100 (session 36, bench/results/vmm_probe_h100_2026-12-06_s36.txt): an unmap is
+// paid per handle (one call over 8 one-page handles 228-253 us, over one handle of 1 or 16 pages
+// 21-34 us, idle or under copies), and access calls do not hold the copies back (3 GiB of 8 MiB
+// copies in 59.6 ms alone, 59.8 ms while this thread mapped 56-57 times). Policy defrag then
+// coalesces the chunks a growth moves while maps are dear (Note [Coalescing moved chunks while
+// maps are dear], policies/src/defrag_grow.cpp).
 //
 // Note [Which maps wait for the copies]
 // Session 30's probe found cuMemSetAccess about 1 ms per handle while device-to-host copies run,

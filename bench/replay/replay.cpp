@@ -570,6 +570,10 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
       r.detail += ", " + std::to_string(d.placed_top_at_limit) +
                   " growths placed at the top of their range once moves cost too much at the limit";
     }
+    if (d.coalesced_growths != 0) {  // Note [Coalescing moved chunks while maps are dear]
+      r.detail += ", " + std::to_string(d.coalesced_growths) + " growths coalesced " +
+                  std::to_string(d.chunks_coalesced) + " chunks into new handles";
+    }
     if (d.placed_at_top != 0) {  // Note [A block that ends with the free pages above it]
       r.detail += ", " + std::to_string(d.placed_at_top) +
                   " growths placed at the top of their hole to use the free pages above it";

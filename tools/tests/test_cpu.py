@@ -746,7 +746,8 @@ def test_e2e_report_says_how_each_defrag_run_ended(tmp_path):
     and mean length (where the counters have them), from the whole run's counters, its growths
     placed above queued unmaps or at the top of a hole where there were any, those placed at the top
     of their range by top_at_limit where there were any, the slack at the end
-    and the pages created beyond it (where counted), and how many runs switched; runs without
+    and the pages created beyond it (where counted), the growths that coalesced their chunks
+    (where any did), and how many runs switched; runs without
     those counters get no such line."""
     runner = _need_e2e_runner()
     base = {"workload": "pipeline", "config": "cachealloc:defrag", "rep": 0, "steps": 4, "warmup": 1, "ok": True,
@@ -760,16 +761,19 @@ def test_e2e_report_says_how_each_defrag_run_ended(tmp_path):
     stayed = dict(base, rep=1, peak_bytes=3678 << 20, defrag_counters_run={
         "defrag.slack_raises": 2, "defrag.budget_raises": 1, "defrag.pending_switches": 0,
         "defrag.wait_ns": 4_200_000, "defrag.move_ns": 10_000_000, "defrag.slack_ppm": 200_000,
-        "defrag.beyond_slack_pages": 14, "defrag.placed_top_at_limit": 9})
+        "defrag.beyond_slack_pages": 14, "defrag.placed_top_at_limit": 9,
+        "defrag.coalesced_growths": 5, "defrag.chunks_coalesced": 23})
     older = dict(base, rep=2)  # an older results file: no whole-run counters
     md = _e2e_report(tmp_path, [switched, stayed, older], [1, 4])
     assert ("- cachealloc:defrag, each run's whole life (peak / slack raises / switched to moving pending / "
             "waits' share of the growths that moved or waited / stream waits and their mean length, where it "
-            "waited; the slack at the end and the pages created beyond the slack, where counted): "
+            "waited; the slack at the end and the pages created beyond the slack, where counted; growths that "
+            "coalesced their chunks, where any did): "
             "3,634 MiB / 1 (0 on time) / switched / 54% / 4 waits of 1.35 ms / "
             "placed 3 above queued unmaps, 1 at the top, "
             "3,678 MiB / 2 (1 on time) / no / 42% / 9 growths at the top of their range once moves cost too "
-            "much at the limit / slack 0.200 at the end, 14 pages created beyond it; "
+            "much at the limit / slack 0.200 at the end, 14 pages created beyond it / 5 growths coalesced "
+            "23 chunks; "
             "switched in 1 of 2") in md, md
     md = _e2e_report(tmp_path, [older], [1, 4])
     assert "each run's whole life" not in md, md

@@ -152,6 +152,9 @@ class VirtualMemory {
   virtual void do_unmap_after(std::uintptr_t va, std::size_t bytes, StreamId stream);
 
  private:
+  /// release_physical() (`unmapped` false) and release_unmapped(): the call, timed and counted.
+  void release_handle(PhysicalHandle handle, std::size_t bytes, bool unmapped) noexcept;
+
   class DeviceBackend* owner_ = nullptr;
   std::size_t physical_bytes_ = 0;
 };
