@@ -733,10 +733,14 @@ PhysicalHandle DefragEngine::create_chunk(std::size_t pages) {
 // while a thread mapped a page over and over).
 // So while maps are dear a growth coalesces: the chunks it takes from safe holes are unmapped on
 // the allocating thread (unmap_now, not queued for the backend's unmap thread), every chunk it
-// gathered that is now mapped nowhere (those, and the ones it created) is released, and their
-// pages are created again as one handle (or as few as max_chunk_mb allows), which the growth
-// maps: one access call instead of one per chunk, for about 60 us of unmap and release per
-// chunk. The unmap comes before the release and the release before the create, so the device
+// gathered that is now mapped nowhere (those, and the ones it created) is released, and the
+// pages the growth needs are created again as at most three handles (each at most max_chunk_mb),
+// which it maps: a few access calls instead of one per chunk, for about 60 us of unmap and
+// release per chunk. The three: the pages below those wholly under the block, those, and the
+// pages above, so that the block's own pages move as one chunk once it is freed whatever its
+// neighbours do (one handle for the whole growth was pinned by them: replayed at 1 ms a map, the
+// offload_train recording of session 35 held 16.57 GB that way, 15.90 split, 15.51 without
+// coalescing, with 199 / 246 / 1,411 maps). Surplus pages of oversized moved chunks go back. The unmap comes before the release and the release before the create, so the device
 // never holds both (a chunk still mapped elsewhere, behind a stream's work, keeps its memory
 // until that unmap runs: rare, as such chunks are taken only once the stream finished that
 // work). Chunks moved pending (Note [Moving pages a stream still uses]) stay as they are: their
@@ -744,8 +748,13 @@ PhysicalHandle DefragEngine::create_chunk(std::size_t pages) {
 // chunk size no longer buys cheap moves when every handle mapped costs a millisecond.
 // "Dear" is the moving average (weight 1/4 for the newest) of the map time per handle over the
 // growths so far (the map's own time: a wait for unmaps queued in its range, VirtualMemory::
-// unmap_wait_ns, is not per handle and coalescing would not shorten it), against coalesce_map_us (default 200 us: idle maps stay well below, maps under
-// copies far above; coalescing costs more than it saves below about 2 x 60 us). The simulated
+// unmap_wait_ns, is not per handle and coalescing would not shorten it), against
+// coalesce_map_us (default 200 us: idle maps stay well below, maps under copies far above;
+// coalescing costs more than it saves below about 2 x 60 us). On an H100 (bench/results/
+// defrag_session36_2026-12-06.md) offload_train then mapped 25 handles per step instead of 38
+// (8.5% of its step in the allocator against 9.5%); coalescing always (coalesce_map_us:0) mapped
+// 7.5 but waited longer for the copy stream, and held the e2e pipeline above expandable segments
+// (3,654 MiB against 3,520 by default), so it is not the default. The simulated
 // device charges every map the same (55 us by default), so replays do not coalesce unless a
 // --call-cost map= above the setting (or coalesce_map_us:0) asks for it. What it costs: a
 // coalesced handle moves only as a whole, so later growths find fewer chunks wholly inside free
