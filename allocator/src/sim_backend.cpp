@@ -299,7 +299,7 @@ void SimBackend::do_unmap(std::uintptr_t va, std::size_t bytes) {
   maybe_throw(SimCall::unmap);
   settle_unmaps();
   check_unmap_range(va, bytes);
-  charge_unmap(va, bytes);
+  charge_unmap(va, bytes, options_.costs.unmap_ns);
   remove_mappings(va, bytes);
 }
 
@@ -307,10 +307,7 @@ void SimBackend::do_unmap_now(std::uintptr_t va, std::size_t bytes) {
   maybe_throw(SimCall::unmap);
   settle_unmaps(va, bytes);
   check_unmap_range(va, bytes);
-  const std::uintptr_t end = va + bytes;
-  for (auto m = mappings_.find(va); m != mappings_.end() && m->first < end; ++m) {
-    charge(options_.costs.unmap_now_ns);
-  }
+  charge_unmap(va, bytes, options_.costs.unmap_now_ns);
   remove_mappings(va, bytes);
 }
 
@@ -325,10 +322,11 @@ void SimBackend::do_release_unmapped(PhysicalHandle handle, std::size_t /*bytes*
   charge(options_.costs.release_physical_ns);
 }
 
-void SimBackend::charge_unmap(std::uintptr_t va, std::size_t bytes) noexcept {
+void SimBackend::charge_unmap(std::uintptr_t va, std::size_t bytes,
+                              std::uint64_t per_mapping_ns) noexcept {
   const std::uintptr_t end = va + bytes;
   for (auto m = mappings_.find(va); m != mappings_.end() && m->first < end; ++m) {
-    charge(options_.costs.unmap_ns);  // per mapping removed (Note [Simulated time])
+    charge(per_mapping_ns);
   }
 }
 
@@ -349,7 +347,7 @@ void SimBackend::do_unmap_after(std::uintptr_t va, std::size_t bytes, StreamId s
   const EventId id = new_event(stream);
   // The caller pays for the unmap as for unmap() (Note [Simulated time]): the simulator models
   // every unmap as the allocating thread's cost, whichever thread makes it on a GPU.
-  charge_unmap(va, bytes);
+  charge_unmap(va, bytes, options_.costs.unmap_ns);
   if (event_done(id)) {
     events_.erase(id);
     remove_mappings(va, bytes);

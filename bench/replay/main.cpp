@@ -155,8 +155,9 @@ int main(int argc, char** argv) {
     std::snprintf(buf, sizeof buf, " %s=%g", kind.c_str(), us);
     cost_help += buf;
   }
-  cost_help += " (create/release_physical/map per handle, unmap per mapping removed off the allocating thread, unmap_now per mapping removed on it (defrag's coalescing), pool_op per "
-               "stream-ordered allocate or free)";
+  cost_help += " (create/release_physical/map per handle, unmap per mapping removed off the "
+               "allocating thread, unmap_now per mapping removed on it (defrag's coalescing), "
+               "pool_op per stream-ordered allocate or free)";
   app.add_option("--call-cost", call_costs, cost_help)->allow_extra_args(false);
   app.add_flag("--quiet,-q", quiet, "no progress output on stderr");
   app.add_flag("--list-policies", list, "list the registered policies and exit");

@@ -430,7 +430,12 @@ class alignas(64) DefragEngine {
   /// Creates `count` pages in chunks of at most max_chunk_pages_ into scratch_ (fewer when the
   /// device is full).
   void create_pages(std::size_t count);
-  [[nodiscard]] PhysicalHandle create_chunk(std::size_t pages);
+  /// One physical handle of `pages` pages, or, when the device lacks pieces that large, of the
+  /// first that fits as `pages` halves down to one (`pages` then says how many); 0 when none.
+  [[nodiscard]] PhysicalHandle create_chunk(std::size_t& pages);
+  /// Gives chunk `c` back to the device and counts it; `unmapped`: mapped nowhere now
+  /// (VirtualMemory::release_unmapped, no wait for the backend's queued unmaps).
+  void release_chunk(const Chunk& c, bool unmapped) noexcept;
   /// Note [Coalescing moved chunks while maps are dear]: for a block of `size` bytes at `start`
   /// whose `count` pages get mapped from `lo` (or, `at_top`, up to the end of `hole`), replaces
   /// the loose chunks of scratch_ by new ones (coalesce_scratch) of the pages the run needs:

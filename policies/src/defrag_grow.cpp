@@ -695,12 +695,7 @@ void DefragEngine::create_pages(std::size_t count) {
   scratch_.reserve(scratch_.size() + (count + chunk - 1) / chunk);
   while (count > 0) {
     std::size_t pages = std::min(count, chunk);
-    PhysicalHandle h = create_chunk(pages);
-    // The device may have the memory but not in pieces of that size: halve, down to a page.
-    while (h == 0 && pages > 1) {
-      pages /= 2;
-      h = create_chunk(pages);
-    }
+    const PhysicalHandle h = create_chunk(pages);
     if (h == 0) {
       return;
     }
@@ -709,8 +704,13 @@ void DefragEngine::create_pages(std::size_t count) {
   }
 }
 
-PhysicalHandle DefragEngine::create_chunk(std::size_t pages) {
-  const PhysicalHandle h = vm_.create_physical(pages * page_);
+PhysicalHandle DefragEngine::create_chunk(std::size_t& pages) {
+  PhysicalHandle h = vm_.create_physical(pages * page_);
+  // The device may have the memory but not in pieces of that size: halve, down to a page.
+  while (h == 0 && pages > 1) {
+    pages /= 2;
+    h = vm_.create_physical(pages * page_);
+  }
   if (h != 0) {
     held_pages_ += pages;
     ++held_chunks_;
@@ -799,10 +799,7 @@ bool DefragEngine::coalesce_scratch(std::span<const std::size_t> parts) {
   std::size_t kept = 0;
   for (const Chunk& c : scratch_) {
     if (c.loose) {
-      vm_.release_unmapped(c.handle, c.pages * page_);
-      held_pages_ -= c.pages;
-      --held_chunks_;
-      counters_.pages_released += c.pages;
+      release_chunk(c, /*unmapped=*/true);
       ++counters_.chunks_coalesced;
     } else {
       scratch_[kept++] = c;
@@ -813,22 +810,16 @@ bool DefragEngine::coalesce_scratch(std::span<const std::size_t> parts) {
   for (const std::size_t part : parts) {
     for (std::size_t left = part; left > 0;) {
       std::size_t pages = std::min(left, max_chunk_pages_);
-      PhysicalHandle h = create_chunk(pages);
-      while (h == 0 && pages > 1) {  // as create_pages: halve, down to a page
-        pages /= 2;
-        h = create_chunk(pages);
-      }
+      const PhysicalHandle h = create_chunk(pages);
       if (h == 0) {
         release_scratch();
         return false;
       }
+      const Chunk made{h, pages, /*loose=*/true};
       try {
-        scratch_.push_back(Chunk{h, pages, /*loose=*/true});
+        scratch_.push_back(made);
       } catch (...) {
-        vm_.release_physical(h, pages * page_);
-        held_pages_ -= pages;
-        --held_chunks_;
-        counters_.pages_released += pages;
+        release_chunk(made, /*unmapped=*/false);
         throw;
       }
       left -= pages;
@@ -847,12 +838,20 @@ void DefragEngine::note_map_time(std::uint64_t ns, std::size_t handles) noexcept
 
 void DefragEngine::release_scratch() noexcept {
   for (const Chunk& c : scratch_) {
-    vm_.release_physical(c.handle, c.pages * page_);
-    held_pages_ -= c.pages;
-    --held_chunks_;
-    counters_.pages_released += c.pages;
+    release_chunk(c, /*unmapped=*/false);
   }
   scratch_.clear();
+}
+
+void DefragEngine::release_chunk(const Chunk& c, bool unmapped) noexcept {
+  if (unmapped) {
+    vm_.release_unmapped(c.handle, c.pages * page_);
+  } else {
+    vm_.release_physical(c.handle, c.pages * page_);
+  }
+  held_pages_ -= c.pages;
+  --held_chunks_;
+  counters_.pages_released += c.pages;
 }
 
 std::uint64_t DefragEngine::epoch_for_pages(std::size_t count, const Node* hole,

@@ -227,8 +227,8 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
   [[nodiscard]] bool event_done(EventId id) const;
   /// Records an event on `stream` (auto-completed as options say); not counted, never fails.
   EventId new_event(StreamId stream);
-  /// Charges the modelled cost of unmapping the mappings in [va, va+bytes).
-  void charge_unmap(std::uintptr_t va, std::size_t bytes) noexcept;
+  /// Charges `per_mapping_ns` for each mapping in [va, va+bytes) (Note [Simulated time]).
+  void charge_unmap(std::uintptr_t va, std::size_t bytes, std::uint64_t per_mapping_ns) noexcept;
 
   /// Counts a call; returns the fault to inject, if any.
   std::optional<SimFault> count_call(SimCall kind);
