@@ -697,6 +697,9 @@ def run_workload(spec: dict[str, Any]) -> dict[str, Any]:
                 result["device_calls_per_step"] = sum(calls) / steps
             result["allocator_reserved_peak"] = stats.get("reserved_bytes.all.peak")
             result["allocator_allocated_peak"] = stats.get("allocated_bytes.all.peak")
+            # Note [Memory in flight]: allocated + freed blocks another stream's queued work still
+            # uses (PyTorch: blocks waiting for their record_stream events; cachealloc: parked frees).
+            result["allocator_active_peak"] = stats.get("active_bytes.all.peak")
             result["num_ooms"] = stats.get("num_ooms")
             result["pool_end"] = {k: v for k, v in stats.items() if k.startswith("pool.")} or None
             try:
@@ -1127,6 +1130,8 @@ def summarize(results: list[dict[str, Any]], workloads: list[str], configs: list
                 "peak_bytes": col("peak_bytes"),
                 "median_step_s": col("median_step_s"),
                 "allocator_reserved_peak": col("allocator_reserved_peak"),
+                "allocator_active_peak": col("allocator_active_peak"),
+                "allocator_allocated_peak": col("allocator_allocated_peak"),
                 "torch_max_memory_reserved": col("torch_max_memory_reserved"),
                 "allocator_ns_per_step": col("allocator_ns_per_step"),
                 "allocator_ns_lower_bound": any(r.get("allocator_ns_lower_bound") for r in ok),
@@ -1176,6 +1181,34 @@ DEVICE_CALL_KINDS = (("reserve_ns", "num_device_alloc", "cudaMalloc"), ("release
                      ("release_physical_ns", "num_device_free", "cuMemRelease"),
                      ("map_ns", "num_maps", "cuMemMap + cuMemSetAccess (per handle)"),
                      ("unmap_ns", "num_unmaps", "cuMemUnmap"))
+
+
+# Note [Memory in flight]
+# A block freed while another stream's queued work still uses it (record_stream) cannot be reused
+# until that work ran: PyTorch keeps it until its event completes, cachealloc parks the free. The
+# peak of allocated + such blocks (active_bytes.all.peak in both) is memory no allocator that does
+# not wait for the GPU can give back, and it depends on how far the host ran ahead of the streams
+# in that run, which the allocator's own speed changes. So where blocks are in flight the report
+# shows, per configuration, that peak and what the allocator reserved beyond it: the second is
+# the allocator's doing, the first mostly the run's timing.
+def in_flight_line(rows: dict[str, Any]) -> str | None:
+    """Per configuration: peak allocated, peak active (allocated + in flight), reserved beyond it."""
+    parts = []
+    for cfg, r in rows.items():
+        act, alloc, res = r.get("allocator_active_peak"), r.get("allocator_allocated_peak"), r.get("allocator_reserved_peak")
+        if not act or not alloc or not res or len(act) != len(res):
+            continue
+        if max(a - b for a, b in zip(act, alloc)) <= 0:
+            continue  # nothing was ever in flight
+        beyond = [x - a for x, a in zip(res, act)]
+        parts.append(f"{cfg} allocated {statistics.median(alloc) / MiB:,.0f}, active {statistics.median(act) / MiB:,.0f} "
+                     f"[{min(act) / MiB:,.0f}–{max(act) / MiB:,.0f}], reserved beyond it {statistics.median(beyond) / MiB:,.0f} "
+                     f"[{min(beyond) / MiB:,.0f}–{max(beyond) / MiB:,.0f}]")
+    if not parts:
+        return None
+    return ("- memory in flight (Note [Memory in flight]), allocator peaks in MiB, medians [min–max] over runs: "
+            "allocated, active (allocated + blocks freed while another stream's queued work still used them), and "
+            "reserved beyond active: " + "; ".join(parts))
 
 
 def device_call_line(cfg: str, d: dict[str, float]) -> str | None:
@@ -1317,6 +1350,9 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any], meta: dict[str, 
         v = verdicts(rows)
         if v:
             lines += [""] + v
+        flight = in_flight_line(rows)
+        if flight:
+            lines += ["", flight]
         pool_rows = [(cfg, r) for cfg, r in rows.items() if "pool.ns" in r.get("counters_delta_per_step", {})]
         if pool_rows:
             # Note [Time in the pool's calls] (async.h): the driver's share of the allocator's time.

@@ -681,6 +681,26 @@ def test_e2e_report_shows_time_waiting_for_parked_frees(tmp_path):
             "without them the allocator took 10.00% of the step") in md, md
 
 
+def test_e2e_report_shows_memory_in_flight(tmp_path):
+    """--report-from (Note [Memory in flight]): where blocks were in flight (active peak above the
+    allocated peak), the report gives per configuration the allocated and active peaks and what
+    the allocator reserved beyond the active peak, from the runs' own stats; a run with nothing
+    in flight adds no such line."""
+    MiB = 1 << 20
+
+    def run(rep, active):
+        return {"workload": "pipeline", "config": "cachealloc:defrag", "rep": rep, "steps": 4, "warmup": 1,
+                "ok": True, "median_step_s": 0.01, "peak_bytes": 9000 * MiB, "allocator_ns_per_step": 100_000.0,
+                "allocator_pct_of_step": 1.0, "allocator_reserved_peak": 8000 * MiB,
+                "allocator_allocated_peak": 3000 * MiB, "allocator_active_peak": active * MiB}
+
+    md = _e2e_report(tmp_path, [run(0, 7000), run(1, 7500)], [1, 4])
+    assert ("cachealloc:defrag allocated 3,000, active 7,250 [7,000–7,500], reserved beyond it 750 [500–1,000]"
+            in md), md
+    md = _e2e_report(tmp_path, [run(0, 3000)], [1, 4])
+    assert "memory in flight" not in md, md
+
+
 def test_e2e_report_shows_defrag_slack_path(tmp_path):
     """--report-from: policy defrag's slack over each run, from the history cachealloc.
     policy_report() gives (Note [A history of the slack]): each change with its time, the new
