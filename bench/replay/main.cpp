@@ -470,6 +470,8 @@ int main(int argc, char** argv) {
           p["device_release_calls"] = r.device_release_calls;
           p["map_calls"] = r.map_calls;
           p["unmap_calls"] = r.unmap_calls;
+          p["parked_waits"] = r.parked_waits;
+          p["parked_wait_ns"] = r.parked_wait_ns;
           p["mapped_bytes"] = r.mapped_bytes;
           p["events_recorded"] = r.events_recorded;
           p["event_queries"] = r.event_queries;  // one per parked block per poll here: see the table

@@ -489,6 +489,8 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
   r.peak_reserved = static_cast<std::uint64_t>(s.reserved_bytes.peak);
   r.peak_requested = static_cast<std::uint64_t>(s.requested_bytes.peak);
   r.peak_allocated = static_cast<std::uint64_t>(s.allocated_bytes.peak);
+  r.parked_waits = s.parked_waits;  // wait_parked_to_grow (Note [Waiting for frees in flight ...])
+  r.parked_wait_ns = s.parked_wait_ns;
   const BackendCounters& c = sim.counters();
   r.device_reserve_calls = c.reserve_calls + c.physical_creates;
   r.device_release_calls = c.release_calls + c.physical_releases;

@@ -158,6 +158,10 @@ struct PolicyResult {
   std::uint64_t device_release_calls = 0;
   std::uint64_t map_calls = 0;
   std::uint64_t unmap_calls = 0;
+  /// wait_parked_to_grow: allocations that waited for frees parked behind other streams, and the
+  /// simulated time they waited (Note [Waiting for frees in flight instead of growing]).
+  std::uint64_t parked_waits = 0;
+  std::uint64_t parked_wait_ns = 0;
   std::uint64_t mapped_bytes = 0;
   /// Events recorded and queried on the simulated device (cross-stream frees, defrag's epochs):
   /// on a GPU each costs about a microsecond of host time, which the simulated clock does not

@@ -298,9 +298,11 @@ class DefragPolicy {
   void deallocate_settled(const Block& block, StreamId stream) noexcept;
   /// The bytes of freed blocks the front end holds back for other streams (still live here).
   void note_parked(std::size_t bytes) noexcept;
-  /// While held, allocate() creates no physical memory: it places blocks in mapped holes or
-  /// moves free pages, else returns an empty block (allocator.h, Note [Waiting for frees in
-  /// flight instead of growing]).
+  /// While held, allocate() creates no physical memory and moves none: it places blocks in
+  /// mapped holes only, else returns an empty block (allocator.h, Note [Waiting for frees in
+  /// flight instead of growing]). (Letting a held growth move pages, creating none, was tried
+  /// on replays in session 37 and not kept without a GPU run: bench/results/
+  /// defrag_session37_soft_hold.patch.)
   void hold_growth(bool held) noexcept;
   /// Waits for every stream that used a free page, then unmaps and releases all wholly free pages.
   std::size_t release_cached();
