@@ -1196,7 +1196,7 @@ def in_flight_line(rows: dict[str, Any]) -> str | None:
     parts = []
     for cfg, r in rows.items():
         act, alloc, res = r.get("allocator_active_peak"), r.get("allocator_allocated_peak"), r.get("allocator_reserved_peak")
-        if not act or not alloc or not res or len(act) != len(res):
+        if not act or not alloc or not res or not len(act) == len(alloc) == len(res):  # the same runs
             continue
         if max(a - b for a, b in zip(act, alloc)) <= 0:
             continue  # nothing was ever in flight
