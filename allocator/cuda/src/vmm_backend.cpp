@@ -249,17 +249,16 @@ PhysicalHandle CudaVmmBackend::do_create_physical(std::size_t bytes) {
   return static_cast<PhysicalHandle>(handle);
 }
 
-void CudaVmmBackend::do_release_physical(PhysicalHandle handle, std::size_t /*bytes*/) noexcept {
+void CudaVmmBackend::do_release_physical(PhysicalHandle handle, std::size_t bytes) noexcept {
   try {
     // The driver frees the memory once its last mapping is gone: wait for queued unmaps, so
     // that the memory is back on the device when this returns (empty_cache, out of memory).
     drain_unmaps();
-    const cuda_detail::DriverApi& api = cuda_detail::driver_api();
-    CudaDeviceGuard guard(device(), /*force=*/true);
-    CACHEALLOC_CU_WARN(api.mem_release(static_cast<CUmemGenericAllocationHandle>(handle)));
   } catch (const Error& e) {
     cuda_detail::warn_exception(__func__, e);
+    return;
   }
+  do_release_unmapped(handle, bytes);
 }
 
 void CudaVmmBackend::do_release_unmapped(PhysicalHandle handle, std::size_t /*bytes*/) noexcept {
