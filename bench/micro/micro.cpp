@@ -6,6 +6,11 @@
 //                             cached, 32 sizes in turn so that no recently-freed FIFO serves them
 //                             (best-fit search cost must stay flat as holes grow: O(log n))
 //   threads/<policy>          alloc+free pairs from 1, 2, 4, 8 threads on one allocator
+//   parked/<policy>/<n>       a cached 64 KiB alloc+free pair on stream 0 while n frees wait,
+//                             parked, for a busy stream 1 (record_stream), as an offloading job's
+//                             activations wait for its copy stream: every allocation polls them
+//                             (Note [One query per busy stream], allocator.h), so this shows
+//                             what the poll costs as the parked frees grow (it must stay flat)
 //   cold/<policy>             a cached 64 KiB alloc+free pair after the CPU caches were flushed
 //                             (32 MiB of other data touched, untimed): what a call costs inside
 //                             a training step, where kernel launches and autograd run between
@@ -138,6 +143,36 @@ void cold(benchmark::State& state, const std::string& policy) {
   benchmark::DoNotOptimize(sum);
 }
 
+void parked(benchmark::State& state, const std::string& policy) {
+  SimOptions o;
+  o.capacity = std::size_t{1} << 40;
+  auto backend = std::make_unique<SimBackend>(o);
+  SimBackend& sim = *backend;
+  Config c;
+  auto a = make_allocator(policy, std::move(backend), c);
+  constexpr StreamId kCopy = 1;
+  sim.set_auto_complete(true);
+  sim.hold_stream(kCopy);  // its work never finishes while the benchmark runs
+  const auto n = static_cast<std::size_t>(state.range(0));
+  for (std::size_t i = 0; i < n; ++i) {
+    void* p = a->allocate((std::size_t{1} << 20) + 4096 * i, 0);
+    a->record_stream(p, kCopy);
+    a->deallocate(p);  // parked until kCopy's event completes
+  }
+  if (a->pending_frees() != n) {
+    state.SkipWithError("the frees were not parked");
+    return;
+  }
+  constexpr std::size_t kBytes = 64 * 1024;
+  a->deallocate(a->allocate(kBytes, 0));
+  for (auto _ : state) {
+    void* p = a->allocate(kBytes, 0);
+    benchmark::DoNotOptimize(std::as_const(p));
+    a->deallocate(p);
+  }
+  sim.release_stream(kCopy);
+}
+
 /// One shared allocator per policy, built before any benchmark thread starts (creating it inside
 /// the benchmark raced with the other threads' first iterations).
 std::map<std::string, std::unique_ptr<DeviceAllocator>>& shared_allocators() {
@@ -182,6 +217,12 @@ int main(int argc, char** argv) {
     }
     // A fixed count: the flush (about 2 ms) is not timed, so a minimum time would run for hours.
     benchmark::RegisterBenchmark(("cold/" + p).c_str(), cold, p)->UseManualTime()->Iterations(smoke ? 3 : 1000);
+    auto* pk = benchmark::RegisterBenchmark(("parked/" + p).c_str(), parked, p);
+    for (std::int64_t n : {0, 16, 128, 1024}) {
+      if (!smoke || n == 16) {
+        pk->Arg(n);
+      }
+    }
     shared_allocators()[p] = make(p);
     benchmark::RegisterBenchmark(("threads/" + p).c_str(), threads, p)->ThreadRange(1, 8)->UseRealTime();
     if (smoke) {

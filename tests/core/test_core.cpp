@@ -363,6 +363,86 @@ TEST_CASE("front end: one event query per busy stream when polling parked frees"
   a.check_invariants();
 }
 
+TEST_CASE("front end: parked frees come back by stream in any order and failed event calls only delay them", "[core]") {
+  // Note [Parked frees by stream]: the poll asks each stream's oldest event; a free comes back
+  // once all of its streams are done, whichever stream finishes first; failed event calls only
+  // delay it. check_invariants compares the per-stream queues with the parked frees each step.
+  auto backend = std::make_unique<SimBackend>(SimOptions{});
+  SimBackend* sim = backend.get();
+  Config config;
+  CachingAllocator<SizeClassPolicy> a(std::move(backend), config);
+  void* warm = a.allocate(4096, 1);
+  a.deallocate(warm);
+  sim->hold_stream(2);
+  sim->hold_stream(3);
+  auto park = [&](std::initializer_list<StreamId> streams) {
+    void* p = a.allocate(kMiB, 1);
+    for (StreamId s : streams) {
+      a.record_stream(p, s);
+    }
+    a.deallocate(p);
+    a.check_invariants();
+    return p;
+  };
+  auto poll = [&] {
+    a.deallocate(a.allocate(4096, 1));
+    a.check_invariants();
+  };
+  park({2});     // A: behind stream 2
+  park({3});     // B: behind stream 3
+  park({2, 3});  // C: behind both
+  park({3});     // D: behind stream 3
+  REQUIRE(a.pending_frees() == 4);
+
+  SECTION("a later stream finishing first gives back its frees, not the others'") {
+    sim->release_stream(3);
+    poll();
+    CHECK(a.pending_frees() == 2);  // B and D back; A and C still wait for stream 2
+    CHECK(a.stats().active_bytes.current == 2 * static_cast<std::int64_t>(kMiB));
+    sim->release_stream(2);
+    poll();
+    CHECK(a.pending_frees() == 0);
+  }
+  SECTION("a failed query counts as not done and is asked again") {
+    sim->release_stream(2);
+    sim->fail_next(SimCall::query_event, SimFault::device_error);
+    poll();  // stream 2's query fails; stream 3 is still busy
+    CHECK(a.pending_frees() == 4);
+    poll();
+    CHECK(a.pending_frees() == 3);  // A: C still waits for stream 3
+    sim->release_stream(3);
+    poll();
+    CHECK(a.pending_frees() == 0);
+  }
+  SECTION("a free whose event could not be recorded waits until a poll records it") {
+    sim->fail_next(SimCall::record_event, SimFault::device_error);
+    park({2});  // E: its event on stream 2 is missing
+    CHECK(a.pending_frees() == 5);
+    sim->release_stream(3);
+    poll();  // records E's event (stream 2 is held: pending) and gives back B and D
+    CHECK(a.pending_frees() == 3);
+    sim->release_stream(2);
+    poll();
+    CHECK(a.pending_frees() == 0);
+  }
+  SECTION("waiting for the frees (empty_cache) empties the queues") {
+    sim->release_stream(2);
+    sim->release_stream(3);
+    a.empty_cache();
+    a.check_invariants();
+    CHECK(a.pending_frees() == 0);
+    sim->hold_stream(2);
+    park({2});  // parking again after the queues were rebuilt
+    poll();
+    CHECK(a.pending_frees() == 1);
+    sim->release_stream(2);
+    poll();
+    CHECK(a.pending_frees() == 0);
+  }
+  CHECK(a.stats().active_bytes.current == 0);
+  a.check_invariants();
+}
+
 TEST_CASE("front end: event_poll_interval polls parked frees at every N-th allocation only",
           "[core]") {
   auto backend = std::make_unique<SimBackend>(SimOptions{});
