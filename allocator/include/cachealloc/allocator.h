@@ -80,7 +80,12 @@
 //     (31%); steps within the spread. The pipeline and comm_overlap: unchanged (their growths
 //     find nothing parked beyond the limit, or never wait).
 // So it is a setting for jobs that are short of memory, not a default: the acceptance bar of 1%
-// of the step inside the allocator counts the waits.
+// of the step inside the allocator counts the waits. How much is in flight follows how fast the
+// allocator grows (bench/results/defrag_session38_2026-12-06.md): offload_train over 30 steps on
+// an H100 held less in flight under defrag with expandable segments' growth (a handle per 20 MiB,
+// each its own access call while the copies run) than under defrag's few large handles (12.2-12.5
+// GB active against 14.5): a slow growth holds the host back while the copy stream drains, as
+// these waits do, and costs as much (13% of the step).
 //
 // Note [Cheap statistics on the fast path]
 // A cached alloc+free pair is a few dozen instructions of real work, and keeping five PyTorch
