@@ -591,7 +591,8 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
       r.detail += "; " + num(d.beyond_slack_growths) + " growths created " + num(d.beyond_slack_pages) +
                   " pages beyond the slack while whole free pages lay elsewhere (summed over those "
                   "growths): " + num(d.stuck_beside_pages) + " beside the placement, " +
-                  num(d.stuck_unsafe_pages) + " not yet safe from their stream's work, " +
+                  num(d.stuck_unsafe_pages) + " not yet safe from their stream's work (" +
+                  num(d.stuck_unsafe_other_pages) + " of them another stream's than the growth's), " +
                   num(d.stuck_pinned_pages) + " on chunks a live block pins, " +
                   num(d.stuck_other_pages) + " other";
     }

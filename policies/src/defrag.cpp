@@ -903,6 +903,7 @@ std::vector<std::pair<std::string, std::int64_t>> DefragPolicy::stat_counters() 
           {"defrag.beyond_slack_growths", v(c.beyond_slack_growths)},
           {"defrag.beyond_slack_pages", v(c.beyond_slack_pages)},
           {"defrag.stuck_unsafe_pages", v(c.stuck_unsafe_pages)},
+          {"defrag.stuck_unsafe_other_pages", v(c.stuck_unsafe_other_pages)},
           {"defrag.stuck_pinned_pages", v(c.stuck_pinned_pages)},
           {"defrag.stuck_beside_pages", v(c.stuck_beside_pages)},
           {"defrag.stuck_other_pages", v(c.stuck_other_pages)},

@@ -418,7 +418,7 @@ class alignas(64) DefragEngine {
   }
   /// Counts a growth that creates `pages` beyond the slack and why the free pages held did not
   /// move (Note [Why pages were created beyond the slack]).
-  void note_beyond_slack(std::size_t pages, const Node* hole) noexcept;
+  void note_beyond_slack(std::size_t pages, const Node* hole, std::uint32_t cls) noexcept;
   /// At least `count` and at most `room` pages for a block, in whole chunks (Note [Where new
   /// pages come from], Note [Chunks]); false when the device is full. Without `beyond_slack`,
   /// step 5 is left to the caller (create_beyond_slack), and it may return with fewer.
@@ -426,7 +426,7 @@ class alignas(64) DefragEngine {
                     std::uint32_t cls, bool beyond_slack = true);
   /// Step 5 of Note [Where new pages come from]: creates what scratch_ lacks of `count` pages,
   /// counted as beyond the slack; false (scratch_ released) when the device is full.
-  bool create_beyond_slack(std::size_t count, const Node* hole);
+  bool create_beyond_slack(std::size_t count, const Node* hole, std::uint32_t cls);
   /// Creates `count` pages in chunks of at most max_chunk_pages_ into scratch_ (fewer when the
   /// device is full).
   void create_pages(std::size_t count);

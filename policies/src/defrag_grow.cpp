@@ -461,7 +461,7 @@ Node* DefragEngine::grow(std::uint32_t kind, std::uint32_t cls, std::size_t size
           ++counters_.placed_at_top;
         }
       }
-      if (!create_beyond_slack(count, hole)) {
+      if (!create_beyond_slack(count, hole, cls)) {
         return nullptr;
       }
     }
@@ -575,12 +575,12 @@ bool DefragEngine::gather_pages(std::size_t count, std::size_t room, std::size_t
     release_scratch();
     throw;
   }
-  return !beyond_slack || create_beyond_slack(count, hole);
+  return !beyond_slack || create_beyond_slack(count, hole, cls);
 }
 
-bool DefragEngine::create_beyond_slack(std::size_t count, const Node* hole) {
+bool DefragEngine::create_beyond_slack(std::size_t count, const Node* hole, std::uint32_t cls) {
   if (scratch_pages() < count) {
-    note_beyond_slack(count - scratch_pages(), hole);
+    note_beyond_slack(count - scratch_pages(), hole, cls);
     try {
       create_pages(count - scratch_pages());
     } catch (...) {
@@ -606,8 +606,12 @@ bool DefragEngine::create_beyond_slack(std::size_t count, const Node* hole) {
 // growths in DefragCounters::stuck_*_pages; cachealloc-replay prints them. Measured this way
 // (session 18, bench/results/defrag_floor_2026-12-04_session18.md): on held-out serving
 // recordings the free pages beside the placement, and on checkpointed training the partly used
-// edge pages of many holes, are what holds memory beyond the slack.
-void DefragEngine::note_beyond_slack(std::size_t pages, const Node* hole) noexcept {
+// edge pages of many holes, are what holds memory beyond the slack. The pages not yet safe are
+// also counted apart when their hole belongs to another stream than the growth's
+// (stuck_unsafe_other_pages): the growth's own stream could take its own with move_pending, but
+// another stream's only once that stream's work is done (or if the growth's stream waited for it
+// on the GPU).
+void DefragEngine::note_beyond_slack(std::size_t pages, const Node* hole, std::uint32_t cls) noexcept {
   ++counters_.beyond_slack_growths;
   counters_.beyond_slack_pages += pages;
   note_slack_event(SlackEvent::Kind::beyond_slack, slack_, slack_, pages);
@@ -623,6 +627,9 @@ void DefragEngine::note_beyond_slack(std::size_t pages, const Node* hole) noexce
       }
       if (!safe(n)) {
         counters_.stuck_unsafe_pages += whole;
+        if (n->cls != cls) {  // another stream's: only its own work finishing frees them
+          counters_.stuck_unsafe_other_pages += whole;
+        }
         continue;
       }
       // Only the lowest and the highest chunk of the whole pages can go on beyond them.

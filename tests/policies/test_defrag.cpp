@@ -1112,6 +1112,32 @@ TEST_CASE("defrag: wait_for_streams:False grows instead of waiting", "[defrag][s
   f.use_and_free(d, 3);
 }
 
+TEST_CASE("defrag: pages not yet safe are counted apart when another stream holds them",
+          "[defrag][streams]") {
+  // Note [Why pages were created beyond the slack]: a's hole is still in use by stream 3's work.
+  OracleFixture f("grow_slack:0,wait_for_streams:False");
+  Block a = f.alloc(30 * MiB, 3);
+  Block d = f.alloc(2 * MiB, 3);  // keeps a's hole from growing in place
+  f.use_and_free(a, 3);
+  SECTION("a growth of the same stream") {
+    Block c = f.alloc(36 * MiB, 3);
+    const DefragCounters k = f.policy.counters();
+    CHECK(k.beyond_slack_growths == 1);
+    CHECK(k.stuck_unsafe_pages >= 14);
+    CHECK(k.stuck_unsafe_other_pages == 0);
+    f.use_and_free(c, 3);
+  }
+  SECTION("a growth of another stream") {
+    Block c = f.alloc(36 * MiB, 5);
+    const DefragCounters k = f.policy.counters();
+    CHECK(k.beyond_slack_growths == 1);
+    CHECK(k.stuck_unsafe_pages >= 14);
+    CHECK(k.stuck_unsafe_other_pages == k.stuck_unsafe_pages);
+    f.use_and_free(c, 5);
+  }
+  f.use_and_free(d, 3);
+}
+
 TEST_CASE("defrag: release_cached waits for every stream and gives all free pages back",
           "[defrag][streams]") {
   OracleFixture f("");

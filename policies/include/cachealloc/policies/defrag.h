@@ -219,6 +219,7 @@ struct DefragCounters {
   std::uint64_t beyond_slack_growths = 0;
   std::uint64_t beyond_slack_pages = 0;
   std::uint64_t stuck_unsafe_pages = 0;  ///< in holes a stream's queued work may still use
+  std::uint64_t stuck_unsafe_other_pages = 0;  ///< of which in holes of another stream than the growth's
   std::uint64_t stuck_pinned_pages = 0;  ///< in chunks that go on under a live block or an edge page
   std::uint64_t stuck_beside_pages = 0;  ///< in the placement's own mapped neighbours
   std::uint64_t stuck_other_pages = 0;   ///< movable, not taken (room, the other range's pages)
