@@ -206,6 +206,9 @@ COUNTER_KEYS = ("allocator_ns", "alloc_calls", "free_calls", "num_device_alloc",
                 # the slack in force at the end (ppm) and the pages created beyond it (Note [Why
                 # pages were created beyond the slack]): did a run end at max_grow_slack?
                 "defrag.slack_ppm", "defrag.beyond_slack_pages",
+                # of the free pages those growths found not yet safe, how many another stream
+                # held (session 38: nearly all on offload_train's replays)
+                "defrag.stuck_unsafe_pages", "defrag.stuck_unsafe_other_pages",
                 # the front end's step memo (Note [The step memo], allocator.h)
                 "memo.served", "memo.entries", "memo.exits", "memo.replayed", "memo.verify_started",
                 "memo.verify_differed", "memo.verify_not_quiet", "memo.verify_stream",
