@@ -55,9 +55,18 @@ void print_history(const replay::PolicyResult& r) {
     const double over = e.peak_live_bytes != 0
                             ? static_cast<double>(e.reserved_bytes) / static_cast<double>(e.peak_live_bytes)
                             : 0.0;
-    std::printf("    %9.3f s  %-36s %-20s %s / %s / %s (%.3fx)\n", e.time_s, e.what.c_str(), change,
+    std::printf("    %9.3f s  %-36s %-20s %s / %s / %s (%.3fx)", e.time_s, e.what.c_str(), change,
                 mib(e.live_bytes).c_str(), mib(e.peak_live_bytes).c_str(), mib(e.reserved_bytes).c_str(),
                 over);
+    if (e.parked_bytes != 0) {
+      std::printf(", %s parked", mib(e.parked_bytes).c_str());
+    }
+    if (e.unsafe_pages != 0) {
+      std::printf(", %llu free pages in use (%llu another stream's)",
+                  static_cast<unsigned long long>(e.unsafe_pages),
+                  static_cast<unsigned long long>(e.unsafe_other_pages));
+    }
+    std::printf("\n");
   }
   if (r.history_dropped != 0) {
     std::printf("    ... and %llu later events (the policy keeps the first %zu)\n",
@@ -489,7 +498,9 @@ int main(int argc, char** argv) {
                                             {"slack_before", e.slack_before}, {"slack_after", e.slack_after},
                                             {"live_bytes", e.live_bytes},
                                             {"peak_live_bytes", e.peak_live_bytes},
-                                            {"reserved_bytes", e.reserved_bytes}, {"pages", e.pages}});
+                                            {"reserved_bytes", e.reserved_bytes}, {"pages", e.pages},
+                                            {"parked_bytes", e.parked_bytes}, {"unsafe_pages", e.unsafe_pages},
+                                            {"unsafe_other_pages", e.unsafe_other_pages}});
             }
             p["slack_history_dropped"] = r.history_dropped;
           }

@@ -583,7 +583,8 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
     for (const SlackEvent& e : a->policy().slack_history()) {
       r.history.push_back(HistoryEvent{std::string(slack_event_id(e.kind)), std::string(slack_event_name(e.kind)),
                                        static_cast<double>(e.time_ns) / 1e9, e.slack_before, e.slack_after,
-                                       e.live_bytes, e.peak_live_bytes, e.reserved_bytes, e.pages});
+                                       e.live_bytes, e.peak_live_bytes, e.reserved_bytes, e.pages,
+                                       e.parked_bytes, e.unsafe_pages, e.unsafe_other_pages});
     }
     r.history_dropped = a->policy().slack_events_dropped();
     if (d.beyond_slack_growths != 0) {  // Note [Why pages were created beyond the slack]

@@ -137,6 +137,9 @@ struct HistoryEvent {
   std::uint64_t peak_live_bytes = 0;
   std::uint64_t reserved_bytes = 0;
   std::uint64_t pages = 0;  ///< pages created beyond the slack (0 for a change of the slack)
+  std::uint64_t parked_bytes = 0;        ///< of live_bytes, frees parked for other streams
+  std::uint64_t unsafe_pages = 0;        ///< beyond_slack: free pages still in use by queued work
+  std::uint64_t unsafe_other_pages = 0;  ///< of which in another stream's holes
 };
 
 /// Device calls made during one slice of the trace's operations (ReplayOptions::phases).

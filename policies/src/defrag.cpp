@@ -841,15 +841,17 @@ std::string DefragPolicy::report_json() const {
   for (const SlackEvent& e : slack_history()) {
     const std::string_view id = slack_event_id(e.kind);
     using ull = unsigned long long;
-    char line[320];
+    char line[512];
     std::snprintf(line, sizeof line,
                   "%s{\"event\": \"%.*s\", \"time_ns\": %llu, \"slack_before\": %.9g, "
                   "\"slack_after\": %.9g, \"live_bytes\": %llu, \"peak_live_bytes\": %llu, "
-                  "\"reserved_bytes\": %llu, \"pages\": %llu}",
+                  "\"reserved_bytes\": %llu, \"pages\": %llu, \"parked_bytes\": %llu, "
+                  "\"stream\": %llu, \"unsafe_pages\": %llu, \"unsafe_other_pages\": %llu}",
                   first ? "" : ", ", static_cast<int>(id.size()), id.data(), static_cast<ull>(e.time_ns),
                   e.slack_before, e.slack_after, static_cast<ull>(e.live_bytes),
                   static_cast<ull>(e.peak_live_bytes), static_cast<ull>(e.reserved_bytes),
-                  static_cast<ull>(e.pages));
+                  static_cast<ull>(e.pages), static_cast<ull>(e.parked_bytes), static_cast<ull>(e.stream),
+                  static_cast<ull>(e.unsafe_pages), static_cast<ull>(e.unsafe_other_pages));
     json += line;
     first = false;
   }

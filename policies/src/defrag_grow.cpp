@@ -614,7 +614,10 @@ bool DefragEngine::create_beyond_slack(std::size_t count, const Node* hole, std:
 void DefragEngine::note_beyond_slack(std::size_t pages, const Node* hole, std::uint32_t cls) noexcept {
   ++counters_.beyond_slack_growths;
   counters_.beyond_slack_pages += pages;
+  const std::size_t recorded = history_.size();
   note_slack_event(SlackEvent::Kind::beyond_slack, slack_, slack_, pages);
+  const std::uint64_t unsafe_before = counters_.stuck_unsafe_pages;
+  const std::uint64_t other_before = counters_.stuck_unsafe_other_pages;
   for (const auto& a : arenas_) {
     for (const Node* n = a->head; n != nullptr; n = n->next) {
       const std::size_t whole = n->state == State::mapped_free ? whole_pages(n) : 0;
@@ -651,6 +654,12 @@ void DefragEngine::note_beyond_slack(std::size_t pages, const Node* hole, std::u
       counters_.stuck_pinned_pages += low + high;
       counters_.stuck_other_pages += whole - low - high;
     }
+  }
+  if (history_.size() > recorded) {  // this growth's own figures in its history entry
+    SlackEvent& h = history_.back();
+    h.stream = streams_[cls].id;
+    h.unsafe_pages = counters_.stuck_unsafe_pages - unsafe_before;
+    h.unsafe_other_pages = counters_.stuck_unsafe_other_pages - other_before;
   }
 }
 
@@ -974,7 +983,7 @@ void DefragEngine::note_slack_event(SlackEvent::Kind kind, double before, double
   }
   try {
     history_.push_back(SlackEvent{kind, backend_.clock_ns(), before, after, live_bytes_, peak_live_,
-                                  reserved_bytes(), pages});
+                                  reserved_bytes(), pages, parked_bytes_});
   } catch (...) {  // out of host memory: the history is a diagnostic, the allocation goes on
     ++history_dropped_;
   }

@@ -1126,6 +1126,11 @@ TEST_CASE("defrag: pages not yet safe are counted apart when another stream hold
     CHECK(k.beyond_slack_growths == 1);
     CHECK(k.stuck_unsafe_pages >= 14);
     CHECK(k.stuck_unsafe_other_pages == 0);
+    const SlackEvent& h = f.policy.slack_history().back();  // the growth's own figures
+    CHECK(h.kind == SlackEvent::Kind::beyond_slack);
+    CHECK(h.stream == 3);
+    CHECK(h.unsafe_pages == k.stuck_unsafe_pages);
+    CHECK(h.unsafe_other_pages == 0);
     f.use_and_free(c, 3);
   }
   SECTION("a growth of another stream") {
@@ -1134,6 +1139,10 @@ TEST_CASE("defrag: pages not yet safe are counted apart when another stream hold
     CHECK(k.beyond_slack_growths == 1);
     CHECK(k.stuck_unsafe_pages >= 14);
     CHECK(k.stuck_unsafe_other_pages == k.stuck_unsafe_pages);
+    const SlackEvent& h = f.policy.slack_history().back();
+    CHECK(h.kind == SlackEvent::Kind::beyond_slack);
+    CHECK(h.stream == 5);
+    CHECK(h.unsafe_other_pages == k.stuck_unsafe_pages);
     f.use_and_free(c, 5);
   }
   f.use_and_free(d, 3);

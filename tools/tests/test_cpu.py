@@ -367,11 +367,13 @@ def test_capi_policy_report_gives_defrag_slack_history():
             beyond = [e for e in events if e["event"] == "beyond_slack"]
             assert len(beyond) == stats["defrag.beyond_slack_growths"] > 0, (events, stats)
             assert sum(e["pages"] for e in beyond) == stats["defrag.beyond_slack_pages"]
+            assert sum(e["unsafe_pages"] for e in beyond) == stats["defrag.stuck_unsafe_pages"]
+            assert sum(e["unsafe_other_pages"] for e in beyond) == stats["defrag.stuck_unsafe_other_pages"]
             times = [e["time_ns"] for e in events]
             assert times == sorted(times)
             for e in events:
                 assert e["slack_before"] == e["slack_after"] == 0.0
-                assert e["peak_live_bytes"] >= e["live_bytes"]
+                assert e["peak_live_bytes"] >= e["live_bytes"] >= e["parked_bytes"]
 
 
 def test_recording_is_a_pytorch_snapshot():

@@ -255,6 +255,14 @@ struct SlackEvent {
   /// Bytes of physical pages held at the event (for beyond_slack: before the growth creates them).
   std::uint64_t reserved_bytes = 0;
   std::uint64_t pages = 0;            ///< beyond_slack: the pages created beyond the slack
+  /// Of live_bytes, the frees the front end held parked for other streams' work (note_parked).
+  std::uint64_t parked_bytes = 0;
+  /// beyond_slack: the stream that grew, and the whole free pages elsewhere that its stream's or
+  /// another stream's queued work still used then, and of those another stream's (Note [Why
+  /// pages were created beyond the slack]; the counters sum them over the growths).
+  StreamId stream = 0;
+  std::uint64_t unsafe_pages = 0;
+  std::uint64_t unsafe_other_pages = 0;
 };
 /// How many SlackEvents the policy keeps; later ones are only counted.
 inline constexpr std::size_t kSlackHistoryLength = 512;
