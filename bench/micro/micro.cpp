@@ -8,9 +8,9 @@
 //   threads/<policy>          alloc+free pairs from 1, 2, 4, 8 threads on one allocator
 //   parked/<policy>/<n>       a cached 64 KiB alloc+free pair on stream 0 while n frees wait,
 //                             parked, for a busy stream 1 (record_stream), as an offloading job's
-//                             activations wait for its copy stream: every allocation polls them
-//                             (Note [One query per busy stream], allocator.h), so this shows
-//                             what the poll costs as the parked frees grow (it must stay flat)
+//                             activations wait for its copy stream: every allocation polls them,
+//                             so this shows what the poll costs as the parked frees grow (it must
+//                             stay flat: Note [Parked frees by stream], allocator.h)
 //   cold/<policy>             a cached 64 KiB alloc+free pair after the CPU caches were flushed
 //                             (32 MiB of other data touched, untimed): what a call costs inside
 //                             a training step, where kernel launches and autograd run between
