@@ -42,7 +42,8 @@
 // a parked free is also queued on its stream (`waits_`, in recording order), and the poll
 // (poll_pending) asks each stream's oldest event, then the next while they completed: one query
 // per busy stream per poll and one per completion, and no parked free visited that did not
-// complete. A free whose events all completed goes back to the policy at once and is marked
+// complete. A stream leaves `waits_` once its queue is empty, so a poll visits only streams with
+// events outstanding (a replay gives every late free a stream of its own). A free whose events all completed goes back to the policy at once and is marked
 // `gone` in pending_, which keeps the parking order (a binary search by `seq` finds a free
 // from its event) and is compacted once half of it is gone. The passes over pending_ that
 // remain (waiting for frees: the retry chain, empty_cache, wait_parked_to_grow; a free whose
@@ -948,6 +949,7 @@ class CachingAllocator final : public DeviceAllocator {
       return;
     }
     bool handed = false;
+    bool drained = false;  // a stream's queue emptied: it leaves waits_
     for (StreamWaits& w : waits_) {
       while (!w.fifo.empty()) {
         const Waiting front = w.fifo.front();
@@ -970,6 +972,10 @@ class CachingAllocator final : public DeviceAllocator {
           handed = true;
         }
       }
+      drained = drained || w.fifo.empty();
+    }
+    if (drained) {  // only streams with events outstanding stay: a poll visits no idle stream
+      std::erase_if(waits_, [](const StreamWaits& w) { return w.fifo.empty(); });
     }
     if (handed) {
       if (gone_ * 2 >= pending_.size()) {  // erased in bulk: O(1) per free over time
@@ -1045,9 +1051,7 @@ class CachingAllocator final : public DeviceAllocator {
 
   /// The queues again from pending_, after a pass over it (flush_pending) changed its events.
   void rebuild_waits() noexcept {
-    for (StreamWaits& w : waits_) {
-      w.fifo.clear();
-    }
+    waits_.clear();
     waits_stale_ = false;
     for (Parked& p : pending_) {
       add_waits(p);
@@ -1073,6 +1077,7 @@ class CachingAllocator final : public DeviceAllocator {
     }
     std::size_t queued = 0;
     for (const StreamWaits& w : waits_) {
+      CACHEALLOC_CHECK_INVARIANT(!w.fifo.empty(), "a stream without events outstanding is still polled");
       for (const Waiting& q : w.fifo) {
         auto it = std::lower_bound(pending_.begin(), pending_.end(), q.seq,
                                    [](const Parked& p, std::uint64_t s) { return p.seq < s; });
