@@ -5,6 +5,7 @@
 #include <cachealloc/errors.h>
 #include <cachealloc/pointer_map.h>
 #include <cachealloc/spin_mutex.h>
+#include <cachealloc/policies/defrag.h>
 #include <cachealloc/policies/size_class.h>
 
 #include <catch2/catch.hpp>
@@ -144,11 +145,17 @@ TEST_CASE("front end: statistics agree with a plain Stat model under parking and
   struct Parked {
     std::size_t size;
     bool done;
+    bool recorded;  // its event exists: Note [Events shared by a burst of parked frees]
   };
   std::vector<Parked> parked;
   std::vector<std::pair<void*, bool>> live;  // pointer, used on stream 2 too
   std::mt19937_64 rng(7);
   sim->hold_stream(2);
+  auto burst_ends = [&] {  // any call but a parked free records the burst's events
+    for (Parked& p : parked) {
+      p.recorded = true;
+    }
+  };
   auto complete_done = [&] {
     std::erase_if(parked, [&](const Parked& p) {
       if (p.done) {
@@ -165,6 +172,7 @@ TEST_CASE("front end: statistics agree with a plain Stat model under parking and
     const unsigned op = static_cast<unsigned>(rng() % 100);
     if (op < 45 || live.empty()) {
       const std::size_t bytes = 1 + rng() % (rng() % 2 != 0 ? 4096 : 8 * kMiB);
+      burst_ends();
       if (!parked.empty()) {
         complete_done();  // allocate() hands completed parked frees to the policy first
       }
@@ -191,8 +199,9 @@ TEST_CASE("front end: statistics agree with a plain Stat model under parking and
       requested.decrease(static_cast<std::int64_t>(info.requested));
       allocation.decrease(1);
       if (cross) {
-        parked.push_back({info.block_size, false});
+        parked.push_back({info.block_size, false, false});
       } else {
+        burst_ends();
         active_bytes.decrease(static_cast<std::int64_t>(info.block_size));
         active.decrease(1);
       }
@@ -200,7 +209,7 @@ TEST_CASE("front end: statistics agree with a plain Stat model under parking and
       sim->release_stream(2);  // every event recorded on stream 2 so far completes
       sim->hold_stream(2);
       for (Parked& p : parked) {
-        p.done = true;
+        p.done = p.done || p.recorded;  // the burst's event comes later, on the held stream
       }
     } else if (op < 96) {
       a.reset_peak_stats();
@@ -341,14 +350,17 @@ TEST_CASE("front end: one event query per busy stream when polling parked frees"
   }
   REQUIRE(a.pending_frees() == 3);
   // The statistics count what reaches the device: one event per stream a freed block was used
-  // on (stream 2 twice on the first two blocks is one stream); the second and third allocations
-  // above each queried stream 2's first event.
-  CHECK(a.stats().num_event_records == 4);
+  // on (stream 2 twice on the first two blocks is one stream), recorded at the next call (Note
+  // [Events shared by a burst of parked frees]): the second and third allocations above recorded
+  // the first two frees' events and each queried stream 2's first event; the third free's two
+  // events wait for the next call.
+  CHECK(a.stats().num_event_records == 2);
   CHECK(a.stats().num_event_queries == 2);
   const std::uint64_t before = sim->device_calls();
   void* q = a.allocate(4096, 1);
-  // Stream 2's first event is incomplete: its later ones are not queried, stream 3's is.
-  CHECK(sim->device_calls() - before == 2);
+  // The third free's two events are recorded; stream 2's first event is incomplete: its later
+  // ones are not queried, stream 3's is.
+  CHECK(sim->device_calls() - before == 4);
   CHECK(a.pending_frees() == 3);
   const auto m = a.stats().to_map();
   CHECK(m.at("num_event_records") == 4);
@@ -381,6 +393,10 @@ TEST_CASE("front end: parked frees come back by stream in any order and failed e
       a.record_stream(p, s);
     }
     a.deallocate(p);
+    a.check_invariants();
+    // A free of a block no other stream used ends the burst: the free's events are recorded now,
+    // before the streams below are released (Note [Events shared by a burst of parked frees]).
+    a.deallocate(a.allocate(64, 1));
     a.check_invariants();
     return p;
   };
@@ -443,6 +459,82 @@ TEST_CASE("front end: parked frees come back by stream in any order and failed e
   a.check_invariants();
 }
 
+namespace {
+// Note [Events shared by a burst of parked frees]: six frees in a row, four used on stream 2,
+// one on stream 3, one on both, record nothing until the next call, which records one event per
+// stream (and, for a policy that takes settled frees, one on their own stream 1) for all six.
+// A poll asks each stream's shared event once; the frees come back by stream; every event is
+// destroyed once its last free came back; check_invariants counts each event's holders.
+template <typename Policy>
+void check_burst_shares_events(std::unique_ptr<SimBackend> backend, Config& config, bool own_events) {
+  SimBackend* sim = backend.get();
+  CachingAllocator<Policy> a(std::move(backend), config);
+  a.deallocate(a.allocate(4096, 1));
+  sim->hold_stream(1);
+  sim->hold_stream(2);
+  sim->hold_stream(3);
+  std::vector<void*> blocks;
+  for (int i = 0; i < 6; ++i) {
+    blocks.push_back(a.allocate(kMiB, 1));
+  }
+  for (int i = 0; i < 6; ++i) {
+    if (i != 4) {
+      a.record_stream(blocks[static_cast<std::size_t>(i)], 2);
+    }
+    if (i >= 4) {
+      a.record_stream(blocks[static_cast<std::size_t>(i)], 3);
+    }
+  }
+  const Stats before = a.stats();
+  const std::size_t policy_events = sim->live_events();  // defrag's own (its epochs)
+  for (void* b : blocks) {
+    a.deallocate(b);
+    a.check_invariants();
+  }
+  CHECK(a.pending_frees() == 6);
+  CHECK(a.stats().num_event_records == before.num_event_records);  // the burst is still open
+  const std::uint64_t shared = own_events ? 3 : 2;                  // streams 2, 3 (and 1)
+  void* q = a.allocate(4096, 1);
+  a.check_invariants();
+  CHECK(a.stats().num_event_records == before.num_event_records + shared);
+  CHECK(sim->live_events() == policy_events + shared);
+  CHECK(a.pending_frees() == 6);
+
+  sim->release_stream(2);
+  const std::uint64_t queries = a.stats().num_event_queries;
+  a.deallocate(a.allocate(4096, 1));
+  a.check_invariants();
+  CHECK(a.pending_frees() == 2);  // the four used on stream 2 alone; the two on stream 3 wait
+  // One query per stream's event, however many frees share it (stream 1's own event, where
+  // there is one, asked once for the four that came back); defrag also asks its own events.
+  if (!own_events) {
+    CHECK(a.stats().num_event_queries - queries == shared);
+  }
+  sim->release_stream(3);
+  sim->release_stream(1);
+  a.deallocate(a.allocate(4096, 1));
+  a.check_invariants();
+  CHECK(a.pending_frees() == 0);
+  CHECK(sim->live_events() == policy_events);  // every shared event destroyed
+  CHECK(a.stats().active_bytes.current == static_cast<std::int64_t>(a.find(q)->block_size));
+  a.deallocate(q);
+  a.check_invariants();
+}
+}  // namespace
+
+TEST_CASE("front end: a burst of parked frees records one event per stream at the next call", "[core]") {
+  SECTION("size_class: the other streams' events") {
+    Config config;
+    check_burst_shares_events<SizeClassPolicy>(std::make_unique<SimBackend>(SimOptions{}), config, false);
+  }
+  SECTION("defrag: and one on the frees' own stream (Note [Frees that come back settled])") {
+    SimOptions o;
+    o.capacity = std::size_t{1} << 34;
+    Config config;
+    check_burst_shares_events<DefragPolicy>(std::make_unique<SimBackend>(o), config, true);
+  }
+}
+
 TEST_CASE("front end: event_poll_interval polls parked frees at every N-th allocation only",
           "[core]") {
   auto backend = std::make_unique<SimBackend>(SimOptions{});
@@ -457,12 +549,13 @@ TEST_CASE("front end: event_poll_interval polls parked frees at every N-th alloc
   a.record_stream(p, 2);
   a.deallocate(p);
   REQUIRE(a.pending_frees() == 1);
-  // Allocations 1-3 after the park query nothing; the 4th queries stream 2's event once.
+  // The first allocation after the park records its event (Note [Events shared by a burst of
+  // parked frees]); allocations 1-3 query nothing; the 4th queries stream 2's event once.
   std::vector<void*> held;
   for (int i = 1; i <= 8; ++i) {
     const std::uint64_t before = sim->device_calls();
     held.push_back(a.allocate(4096, 1));
-    CHECK(sim->device_calls() - before == (i % 4 == 0 ? 1u : 0u));
+    CHECK(sim->device_calls() - before == (i == 1 || i % 4 == 0 ? 1u : 0u));
   }
   sim->release_stream(2);
   for (int i = 1; i <= 3; ++i) {  // completed, but not handed back before the next poll

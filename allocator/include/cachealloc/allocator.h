@@ -7,8 +7,9 @@
 //
 // Note [Cross-stream frees]
 // A block allocated on stream A and also used on stream B (record_stream) may not be reused
-// until B's work queued before the free finished. On free the front end records one event on
-// each such stream and parks the block in `pending_`; the next allocate() (and the retry chain,
+// until B's work queued before the free finished. The front end parks the block in `pending_`
+// with one event on each such stream (recorded at its next call: Note [Events shared by a burst
+// of parked frees]); the next allocate() (and the retry chain,
 // and empty_cache) polls those events and hands the block to the policy only when all of them
 // completed. So a policy never sees a block another stream may still touch: policies only ever
 // reason about the block's own stream (see policy.h, item 4).
@@ -57,6 +58,26 @@
 // completes about a step later). `event_poll_interval` (CACHEALLOC_CONF, 1-1024) polls at every
 // N-th allocation instead; the retry chain still waits for every parked free before it reports
 // out-of-memory, so a longer interval can only delay reuse, never fail an allocation.
+//
+// Note [Events shared by a burst of parked frees]
+// Frees behind other streams come in bursts: a job that reduces gradients on a communication
+// stream frees them all at once (zero_grad), one that streams weights in frees a layer's at once.
+// Recording each free's events at the free cost one cudaEventRecord per stream per free, and one
+// query each later (bench/e2e comm_overlap on an H100: 196 records and 203 queries per step;
+// offload_train 215 and 586, about 1 ms of its 1.6 ms quiet-step floor). An event recorded later
+// on a stream fences all the work an earlier one did and more, so it may stand for the earlier
+// one: reuse waits a little longer, never less. So park() records nothing; the burst of parked
+// frees stays open until the front end's next call of any other kind (an allocation, a free no
+// other stream used, a flush), which records one event per stream the burst's frees wait for
+// (other streams and, for settled frees, their own) and shares it among them (`shared_events_`
+// counts its holders; the last one destroys it). No allocation can come between a free and that
+// record, so nothing could have reused the block earlier. The poll asks a shared event once (the
+// last event seen complete is remembered until destroyed). In the replays of the shared, held-out
+// and e2e recordings (`--stream-lags`) every peak is unchanged; there each late free has a stream
+// of its own, so only the own-stream events are shared: defrag's records per 1,000 allocations
+// fell 300 -> 266 (comm_overlap), 608 -> 541 (offload_train), 434 -> 328 (stream_weights). On
+// the recorded jobs' own streams, the late frees of comm_overlap fall into 32 bursts (1,519
+// frees), stream_weights' into 96 (384), offload_train's into 1,069 (1,565).
 //
 // Note [Waiting for frees in flight instead of growing]
 // Parked frees are memory in flight: a job that offloads activations to the host frees each one
@@ -198,6 +219,7 @@
 #include <cstddef>
 #include <exception>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -330,6 +352,9 @@ class CachingAllocator final : public DeviceAllocator {
       refuse_huge(bytes);
     }
     std::lock_guard lock(mutex_);
+    if (unrecorded_ != 0) [[unlikely]] {  // Note [Events shared by a burst of parked frees]
+      record_burst();
+    }
     if (memo_next_ != nullptr) {  // Note [The step memo]
       const MemoOp& e = *memo_next_;
       if (e.requested == bytes && e.stream == stream) {
@@ -383,6 +408,9 @@ class CachingAllocator final : public DeviceAllocator {
     if (memo_next_ != nullptr) {  // Note [The step memo]
       const MemoOp& m = *memo_next_;
       if (m.ptr == key && m.is_free()) {
+        if (unrecorded_ != 0) [[unlikely]] {
+          record_burst();
+        }
         memo_advance();
         return;
       }
@@ -391,6 +419,9 @@ class CachingAllocator final : public DeviceAllocator {
     Entry e;
     if (!map_.take(key, e)) {
       refuse_unknown(ptr, "free");
+    }
+    if (unrecorded_ != 0 && e.other_streams == nullptr) [[unlikely]] {
+      record_burst();  // the burst of parked frees ended (Note [Events shared by a burst of parked frees])
     }
     account_free(e);
     if (observer_) {
@@ -634,6 +665,7 @@ class CachingAllocator final : public DeviceAllocator {
   /// Without `wait`, one event found incomplete on a stream stops the queries on that stream
   /// for this pass (Note [One query per busy stream]).
   void flush_pending(bool wait) {
+    record_burst();
     std::exception_ptr first_error;
     std::size_t kept = 0;
     BusyStreams busy;
@@ -691,6 +723,12 @@ class CachingAllocator final : public DeviceAllocator {
     std::uint64_t seq = 0;          // order of parking: pending_ is sorted by it
     std::uint32_t outstanding = 0;  // events not yet seen complete (kept by poll_pending)
     bool gone = false;              // handed back by poll_pending, not yet erased from pending_
+    bool unrecorded = false;        // its events wait for the burst's (record_burst)
+  };
+  /// An event several parked frees wait for (Note [Events shared by a burst of parked frees]).
+  struct SharedEvent {
+    EventId event;
+    std::uint32_t holders;  // parked frees still holding it
   };
   /// One event of a parked free that has not completed: Note [Parked frees by stream].
   struct Waiting {
@@ -783,14 +821,20 @@ class CachingAllocator final : public DeviceAllocator {
         continue;
       }
       if (wait) {
-        backend_->synchronize_event(ev);
+        if (ev != known_done_) {
+          backend_->synchronize_event(ev);
+          known_done_ = ev;
+        }
       } else if (busy.contains(p.streams[i])) {
         return false;  // recorded after an event of the same stream that has not completed
-      } else if (!backend_->query_event(ev)) {
-        busy.add(p.streams[i]);
-        return false;
+      } else if (ev != known_done_) {
+        if (!backend_->query_event(ev)) {
+          busy.add(p.streams[i]);
+          return false;
+        }
+        known_done_ = ev;
       }
-      backend_->destroy_event(ev);
+      release_event(ev);
       ev = 0;
     }
     return true;
@@ -845,6 +889,7 @@ class CachingAllocator final : public DeviceAllocator {
   /// Waits for the oldest parked frees until at least `bytes` came back (or none is left), then
   /// hands back whatever else completed without waiting. Returns how many it waited for.
   std::size_t flush_oldest(std::size_t bytes) {
+    record_burst();
     std::size_t back = 0;
     std::size_t i = 0;
     std::size_t waited = 0;
@@ -894,16 +939,19 @@ class CachingAllocator final : public DeviceAllocator {
       return false;
     }
     bool done = false;
-    try {
-      if (wait) {
+    if (!wait) {
+      done = event_done(p.own_event);
+    } else if (p.own_event == known_done_) {
+      done = true;
+    } else {
+      try {
         backend_->synchronize_event(p.own_event);
         done = true;
-      } else {
-        done = backend_->query_event(p.own_event);
+        known_done_ = p.own_event;
+      } catch (...) {  // NOLINT(bugprone-empty-catch): not known to be done: an ordinary free
       }
-    } catch (...) {  // NOLINT(bugprone-empty-catch): not known to be done: an ordinary free
     }
-    backend_->destroy_event(p.own_event);
+    release_event(p.own_event);
     p.own_event = 0;
     return done;
   }
@@ -944,6 +992,7 @@ class CachingAllocator final : public DeviceAllocator {
   /// they completed; a parked free whose events all completed goes back to the policy.
   CACHEALLOC_SLOW_PATH void poll_pending() {
     allocs_since_poll_ = 0;
+    record_burst();
     if (waits_stale_) {
       flush_pending(/*wait=*/false);
       return;
@@ -953,17 +1002,12 @@ class CachingAllocator final : public DeviceAllocator {
     for (StreamWaits& w : waits_) {
       while (!w.fifo.empty()) {
         const Waiting front = w.fifo.front();
-        bool done = false;
-        try {
-          done = backend_->query_event(front.event);
-        } catch (...) {  // NOLINT(bugprone-empty-catch): a failed query: as not done, asked again later
-        }
-        if (!done) {
+        if (!event_done(front.event)) {
           break;  // every later event of this stream was recorded after it
         }
         w.fifo.pop_front();
         Parked& p = parked_by_seq(front.seq);
-        backend_->destroy_event(front.event);
+        release_event(front.event);
         p.events[front.slot] = 0;
         if (--p.outstanding == 0) {
           hand_back(p, /*wait_own=*/false);
@@ -1004,20 +1048,133 @@ class CachingAllocator final : public DeviceAllocator {
   /// failing event call costs memory for a while, never safety.
   CACHEALLOC_SLOW_PATH void park(Entry&& e) noexcept {
     Parked p{e.block, e.requested, e.stream, std::move(*e.other_streams), {}, false};
-    record_events(p);
-    if constexpr (kTakesSettled) {
-      try {  // Note [Frees that come back settled]; without it the block comes back as before
-        p.own_event = backend_->record_event(p.stream);
-      } catch (...) {  // NOLINT(bugprone-empty-catch)
-      }
-    }
     const auto bytes = static_cast<std::int64_t>(p.block.size);
     p.seq = next_parked_seq_++;
+    p.unrecorded = true;  // its events come with the burst's (Note [Events shared by a burst of parked frees])
     pending_.push_back(std::move(p));
     parked_bytes_ += bytes;
     ++parked_count_;
-    add_waits(pending_.back());
+    ++unrecorded_;
     note_parked_to_policy();
+  }
+
+  /// Note [Events shared by a burst of parked frees]: records one event on each stream the
+  /// unrecorded parked frees (the newest `unrecorded_` of pending_) wait for, shares it among
+  /// them and queues them on their streams. Never throws: a stream whose event cannot be recorded
+  /// leaves its frees with `needs_events`, retried one by one at the next flush.
+  void record_burst() noexcept {
+    if (unrecorded_ == 0) {
+      return;
+    }
+    const std::size_t first = pending_.size() - unrecorded_;
+    unrecorded_ = 0;
+    struct Shared {
+      StreamId stream;
+      EventId event;
+      std::uint32_t holders;
+    };
+    std::array<Shared, 8> burst{};  // the burst's streams; a ninth and later get their own events
+    std::size_t used = 0;
+    // The event on `stream` for one more holder: the burst's, or its own when `burst` is full.
+    auto event_on = [&](StreamId stream) noexcept -> EventId {
+      for (std::size_t i = 0; i < used; ++i) {
+        if (burst[i].stream == stream) {
+          if (burst[i].event != 0) {
+            ++burst[i].holders;
+          }
+          return burst[i].event;
+        }
+      }
+      EventId ev = 0;
+      try {
+        ev = backend_->record_event(stream);
+      } catch (...) {  // NOLINT(bugprone-empty-catch): 0: recorded again later
+      }
+      if (used < burst.size()) {
+        burst[used++] = Shared{stream, ev, ev != 0 ? 1U : 0U};
+      }
+      return ev;
+    };
+    bool shareable = true;
+    try {
+      shared_events_.reserve(shared_events_.size() + burst.size());
+    } catch (...) {  // bad_alloc: no event is shared, every free records its own
+      shareable = false;
+    }
+    for (std::size_t i = first; i < pending_.size(); ++i) {
+      Parked& p = pending_[i];
+      p.unrecorded = false;
+      if (!shareable) {
+        record_events(p);
+        if constexpr (kTakesSettled) {
+          try {
+            p.own_event = backend_->record_event(p.stream);
+          } catch (...) {  // NOLINT(bugprone-empty-catch)
+          }
+        }
+        add_waits(p);
+        continue;
+      }
+      try {
+        p.events.reserve(p.streams.size());
+      } catch (...) {  // bad_alloc: recorded one by one at the next flush
+        p.needs_events = true;
+        add_waits(p);
+        continue;
+      }
+      for (const StreamId s : p.streams) {
+        const EventId ev = event_on(s);
+        if (ev == 0) {
+          p.needs_events = true;  // record_events() records this one and the rest later
+          break;
+        }
+        p.events.push_back(ev);
+      }
+      if constexpr (kTakesSettled) {  // Note [Frees that come back settled]
+        p.own_event = event_on(p.stream);
+      }
+      add_waits(p);
+    }
+    for (std::size_t i = 0; i < used; ++i) {
+      if (burst[i].holders > 1) {
+        shared_events_.push_back(SharedEvent{burst[i].event, burst[i].holders});
+      }
+    }
+  }
+
+  /// Whether `event` completed (a failed query: not yet). Remembers the last event seen done, so
+  /// the frees sharing it ask the device once.
+  bool event_done(EventId event) noexcept {
+    if (event == known_done_) {
+      return true;
+    }
+    bool done = false;
+    try {
+      done = backend_->query_event(event);
+    } catch (...) {  // NOLINT(bugprone-empty-catch): a failed query: as not done, asked again later
+    }
+    if (done) {
+      known_done_ = event;
+    }
+    return done;
+  }
+
+  /// One holder of `event` is done with it; the last one destroys it.
+  void release_event(EventId event) noexcept {
+    for (std::size_t i = 0; i < shared_events_.size(); ++i) {
+      if (shared_events_[i].event == event) {
+        if (--shared_events_[i].holders != 0) {
+          return;
+        }
+        shared_events_[i] = shared_events_.back();
+        shared_events_.pop_back();
+        break;
+      }
+    }
+    if (event == known_done_) {
+      known_done_ = 0;  // the device may hand its id out again
+    }
+    backend_->destroy_event(event);
   }
 
   /// Note [Parked frees by stream]: queues the newest parked free's events on their streams.
@@ -1072,6 +1229,33 @@ class CachingAllocator final : public DeviceAllocator {
     CACHEALLOC_CHECK_INVARIANT(std::is_sorted(pending_.begin(), pending_.end(),
                                               [](const Parked& a, const Parked& b) { return a.seq < b.seq; }),
                                "parked frees out of their parking order");
+    for (std::size_t i = 0; i < pending_.size(); ++i) {
+      const Parked& p = pending_[i];
+      CACHEALLOC_CHECK_INVARIANT(p.unrecorded == (i >= pending_.size() - unrecorded_),
+                                 "the parked frees awaiting their burst's events are not the newest ones");
+      CACHEALLOC_CHECK_INVARIANT(!p.unrecorded || (p.events.empty() && p.own_event == 0 && !p.gone),
+                                 "a parked free awaiting its burst's events already has events");
+    }
+    // Every event is held by as many parked frees as its count says: one unless it is shared.
+    std::map<EventId, std::size_t> holders;
+    for (const Parked& p : pending_) {
+      for (const EventId ev : p.events) {
+        if (ev != 0) {
+          ++holders[ev];
+        }
+      }
+      if (p.own_event != 0) {
+        ++holders[p.own_event];
+      }
+    }
+    for (const SharedEvent& e : shared_events_) {
+      auto it = holders.find(e.event);
+      CACHEALLOC_CHECK_INVARIANT(e.event != 0 && it != holders.end() && it->second == e.holders,
+                                 "a shared event's holders miscounted");
+      it->second = 1;
+    }
+    CACHEALLOC_CHECK_INVARIANT(std::all_of(holders.begin(), holders.end(), [](const auto& h) { return h.second == 1; }),
+                               "an event held by several parked frees is not counted as shared");
     if (waits_stale_) {
       return;
     }
@@ -1393,6 +1577,10 @@ class CachingAllocator final : public DeviceAllocator {
   std::uint64_t next_parked_seq_ = 0;
   std::size_t gone_ = 0;       // entries of pending_ handed back by poll_pending, not erased yet
   bool waits_stale_ = false;   // waits_ lacks events (some could not be recorded): rebuild them
+  // Note [Events shared by a burst of parked frees]
+  std::size_t unrecorded_ = 0;               // the newest parked frees, events not yet recorded
+  std::vector<SharedEvent> shared_events_;   // events held by more than one parked free
+  EventId known_done_ = 0;                   // the last event seen complete, still alive
   Tally allocated_;
   Tally requested_;
   Tally allocation_;
