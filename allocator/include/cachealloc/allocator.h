@@ -20,8 +20,9 @@
 // stream drains). The policy must then treat the block's memory as in use by that stream, and a
 // policy that moves physical pages (defrag) can only move them once an event it records later,
 // after even more work, completes: bench/results/defrag_session29_2026-12-05.md found the
-// offloading job's growths blocked by such holes. So park() also records one event on the
-// block's own stream, and when the block comes back and that event has completed too (queried
+// offloading job's growths blocked by such holes. So a parked free also gets one event on the
+// block's own stream (shared with its burst: Note [Events shared by a burst of parked frees]),
+// and when the block comes back and that event has completed too (queried
 // then; waited for when the flush waits anyway), no work on any stream can touch the block, and
 // a policy that says so takes it through `deallocate_settled` (policy.h). Without that member,
 // or when the event is still pending (or could not be recorded), the block comes back as before.
@@ -62,9 +63,9 @@
 // Note [Events shared by a burst of parked frees]
 // Frees behind other streams come in bursts: a job that reduces gradients on a communication
 // stream frees them all at once (zero_grad), one that streams weights in frees a layer's at once.
-// Recording each free's events at the free cost one cudaEventRecord per stream per free, and one
-// query each later (bench/e2e comm_overlap on an H100: 196 records and 203 queries per step;
-// offload_train 215 and 586, about 1 ms of its 1.6 ms quiet-step floor). An event recorded later
+// Recording each free's events at the free cost one cudaEventRecord per stream per free
+// (bench/e2e comm_overlap on an H100: 196 records and 203 queries per step; offload_train 215 and
+// 586, about 1 ms of its 1.6 ms quiet-step floor). An event recorded later
 // on a stream fences all the work an earlier one did and more, so it may stand for the earlier
 // one: reuse waits a little longer, never less. So park() records nothing; the burst of parked
 // frees stays open until the front end's next call of any other kind (an allocation, a free no
@@ -77,7 +78,13 @@
 // of its own, so only the own-stream events are shared: defrag's records per 1,000 allocations
 // fell 300 -> 266 (comm_overlap), 608 -> 541 (offload_train), 434 -> 328 (stream_weights). On
 // the recorded jobs' own streams, the late frees of comm_overlap fall into 32 bursts (1,519
-// frees), stream_weights' into 96 (384), offload_train's into 1,069 (1,565).
+// frees), stream_weights' into 96 (384), offload_train's into 1,069 (1,565). On an H100
+// (bench/results/defrag_session39_2026-12-06.md, two hosts): comm_overlap 194 -> 8 records per
+// step and 313-341 -> 127-143 us per step in event calls (its quiet steps 0.62 -> 0.50% of the
+// step); stream_weights 64 -> 32 records; offload_train 214 -> 177, its time in event calls
+// unchanged: its queries (one per busy stream per allocation) are most of it. The price: the
+// first allocation after a burst records its events and polls at once, so on an idle device it
+// may see them complete only at a later poll; no peak moved in those runs.
 //
 // Note [Waiting for frees in flight instead of growing]
 // Parked frees are memory in flight: a job that offloads activations to the host frees each one
