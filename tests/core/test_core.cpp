@@ -535,6 +535,31 @@ TEST_CASE("front end: a burst of parked frees records one event per stream at th
   }
 }
 
+TEST_CASE("front end: share_events False records a parked free's events at the free", "[core]") {
+  auto backend = std::make_unique<SimBackend>(SimOptions{});
+  SimBackend* sim = backend.get();
+  Config config = Config::parse("share_events:False");
+  CachingAllocator<SizeClassPolicy> a(std::move(backend), config);
+  config.finish("test", {});  // the front end took the key
+  a.deallocate(a.allocate(4096, 1));
+  sim->hold_stream(2);
+  std::vector<void*> blocks{a.allocate(kMiB, 1), a.allocate(kMiB, 1), a.allocate(kMiB, 1)};
+  const std::uint64_t before = a.stats().num_event_records;
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    a.record_stream(blocks[i], 2);
+    a.deallocate(blocks[i]);
+    a.check_invariants();
+    CHECK(a.stats().num_event_records == before + i + 1);  // one per free, at the free
+  }
+  sim->release_stream(2);  // the three events were recorded before: all complete
+  a.deallocate(a.allocate(4096, 1));
+  CHECK(a.pending_frees() == 0);
+  CHECK(sim->live_events() == 0);
+  a.check_invariants();
+  Config bad = Config::parse("share_events:maybe");
+  CHECK_THROWS_AS(CachingAllocator<SizeClassPolicy>(std::make_unique<SimBackend>(SimOptions{}), bad), ConfigError);
+}
+
 TEST_CASE("front end: event_poll_interval polls parked frees at every N-th allocation only",
           "[core]") {
   auto backend = std::make_unique<SimBackend>(SimOptions{});

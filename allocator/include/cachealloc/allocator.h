@@ -85,6 +85,13 @@
 // unchanged: its queries (one per busy stream per allocation) are most of it. The price: the
 // first allocation after a burst records its events and polls at once, so on an idle device it
 // may see them complete only at a later poll; no peak moved in those runs.
+// The contract this adds: a stream a freed block was used on (record_stream) must stay valid
+// until the front end's next call, not only until the free. PyTorch asks as much of external
+// streams (torch.cuda.ExternalStream: the user keeps the stream alive while it is used), its
+// own streams are never destroyed, and its allocator too records such events late while a
+// graph is captured; but a job that destroys an external stream right after freeing a block used
+// on it, before any other allocator call, sets `share_events:False` (CACHEALLOC_CONF): every
+// parked free then records its events at the free, as before session 39.
 //
 // Note [Waiting for frees in flight instead of growing]
 // Parked frees are memory in flight: a job that offloads activations to the host frees each one
@@ -318,6 +325,9 @@ class CachingAllocator final : public DeviceAllocator {
       : backend_(std::move(backend)), policy_(*backend_, config) {
     if (auto v = config.take_int("event_poll_interval", 1, 1024)) {  // Note [Polling parked frees]
       poll_interval_ = static_cast<std::uint32_t>(*v);
+    }
+    if (auto v = config.take_bool("share_events")) {  // Note [Events shared by a burst of parked frees]
+      share_events_ = *v;
     }
     // Note [The step memo]: on by default for a policy whose placement is deterministic.
     memo_enabled_ = memo_capable();
@@ -1062,6 +1072,9 @@ class CachingAllocator final : public DeviceAllocator {
     parked_bytes_ += bytes;
     ++parked_count_;
     ++unrecorded_;
+    if (!share_events_) {
+      record_burst();  // share_events:False: a burst of one, its events recorded at the free
+    }
     note_parked_to_policy();
   }
 
@@ -1585,6 +1598,7 @@ class CachingAllocator final : public DeviceAllocator {
   std::size_t gone_ = 0;       // entries of pending_ handed back by poll_pending, not erased yet
   bool waits_stale_ = false;   // waits_ lacks events (some could not be recorded): rebuild them
   // Note [Events shared by a burst of parked frees]
+  bool share_events_ = true;                  // CACHEALLOC_CONF share_events
   std::size_t unrecorded_ = 0;               // the newest parked frees, events not yet recorded
   std::vector<SharedEvent> shared_events_;   // events held by more than one parked free
   EventId known_done_ = 0;                   // the last event seen complete, still alive
