@@ -838,10 +838,7 @@ class CachingAllocator final : public DeviceAllocator {
         continue;
       }
       if (wait) {
-        if (ev != known_done_) {
-          backend_->synchronize_event(ev);
-          known_done_ = ev;
-        }
+        wait_event(ev);
       } else if (busy.contains(p.streams[i])) {
         return false;  // recorded after an event of the same stream that has not completed
       } else if (ev != known_done_) {
@@ -958,13 +955,10 @@ class CachingAllocator final : public DeviceAllocator {
     bool done = false;
     if (!wait) {
       done = event_done(p.own_event);
-    } else if (p.own_event == known_done_) {
-      done = true;
     } else {
       try {
-        backend_->synchronize_event(p.own_event);
+        wait_event(p.own_event);
         done = true;
-        known_done_ = p.own_event;
       } catch (...) {  // NOLINT(bugprone-empty-catch): not known to be done: an ordinary free
       }
     }
@@ -1006,10 +1000,10 @@ class CachingAllocator final : public DeviceAllocator {
     throw UsageError(unknown_pointer_message(ptr, what));
   }
   /// Note [Parked frees by stream]: the oldest event of each stream, and the next ones while
-  /// they completed; a parked free whose events all completed goes back to the policy.
+  /// they completed; a parked free whose events all completed goes back to the policy. Its one
+  /// caller, allocate(), has recorded the open burst's events first (record_burst).
   CACHEALLOC_SLOW_PATH void poll_pending() {
     allocs_since_poll_ = 0;
-    record_burst();
     if (waits_stale_) {
       flush_pending(/*wait=*/false);
       return;
@@ -1177,6 +1171,14 @@ class CachingAllocator final : public DeviceAllocator {
       known_done_ = event;
     }
     return done;
+  }
+
+  /// Waits until `event` completed (DeviceError on failure); the frees sharing it wait once.
+  void wait_event(EventId event) {
+    if (event != known_done_) {
+      backend_->synchronize_event(event);
+      known_done_ = event;
+    }
   }
 
   /// One holder of `event` is done with it; the last one destroys it.
