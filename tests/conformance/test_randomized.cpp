@@ -157,6 +157,10 @@ void run_sequence(const std::string& policy, std::uint64_t seed, std::uint64_t o
     // Note [Growing at the top once moves cost too much at the limit]: it got there.
     CHECK(a->stats().to_map().at("defrag.placed_top_at_limit") > 0);
   }
+  if (conf.find("reuse_parked:True") != std::string::npos) {
+    // Note [Reusing a parked free on the stream it waits for]: the sequence reused some.
+    CHECK(a->stats().parked_reuses > 0);
+  }
   if (conf.find("move_pending:True") != std::string::npos) {
     // The sequence did what it is here for: pages left holes their stream may still use.
     CHECK(a->stats().to_map().at("defrag.pages_moved_pending") > 0);
@@ -223,5 +227,17 @@ TEST_CASE("randomized operation sequences keep every invariant: defrag growing a
   for (std::uint64_t seed = 2; seed <= 4; seed += 2) {
     INFO("seed " << seed);
     run_sequence("defrag", seed, total / 4, "move_budget:0,max_grow_slack:0.01", /*model_costs=*/true);
+  }
+}
+
+TEST_CASE("randomized operation sequences keep every invariant: parked frees reused on the stream "
+          "they wait for", "[randomized]") {
+  // Note [Reusing a parked free on the stream it waits for] (allocator.h): the shadow model
+  // fails the run if a reused block was still in use by any stream but the allocating one.
+  const std::string policy = GENERATE(from_range(cachealloc::test::policy_names()));
+  const std::uint64_t total = operations_per_policy();
+  for (std::uint64_t seed = 1; seed <= 2; ++seed) {
+    INFO("policy " << policy << " seed " << seed);
+    run_sequence(policy, seed, total / 8, "reuse_parked:True");
   }
 }

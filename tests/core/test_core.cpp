@@ -560,6 +560,129 @@ TEST_CASE("front end: share_events False records a parked free's events at the f
   CHECK_THROWS_AS(CachingAllocator<SizeClassPolicy>(std::make_unique<SimBackend>(SimOptions{}), bad), ConfigError);
 }
 
+namespace {
+// Note [Reusing a parked free on the stream it waits for]: stream 1 allocates, stream 2 uses the
+// block (record_stream) and is busy; an allocation of the same size on stream 2 takes the parked
+// block at once, one on stream 1 does not; the reused block's free waits for stream 2.
+template <typename Policy>
+void check_reuse_on_waited_stream(std::unique_ptr<SimBackend> backend, const std::string& conf,
+                                  bool count_events) {
+  SimBackend* sim = backend.get();
+  Config config = Config::parse("reuse_parked:True" + conf);
+  CachingAllocator<Policy> a(std::move(backend), config);
+  a.deallocate(a.allocate(4096, 1));
+  const std::size_t policy_events = sim->live_events();
+  sim->hold_stream(2);
+  void* x = a.allocate(kMiB, 1);
+  a.record_stream(x, 2);
+  a.deallocate(x);
+  a.check_invariants();
+  REQUIRE(a.pending_frees() == 1);
+
+  void* other_size = a.allocate(2 * kMiB, 2);  // too large for it
+  CHECK(other_size != x);
+  void* on_own_stream = a.allocate(kMiB, 1);  // stream 2 may still read it: not for stream 1
+  CHECK(on_own_stream != x);
+  CHECK(a.pending_frees() == 1);
+  void* y = a.allocate(kMiB - 1000, 2);  // within 1/32: stream 2's new work follows its old
+  a.check_invariants();
+  CHECK(y == x);
+  CHECK(a.pending_frees() == 0);
+  CHECK(a.stats().parked_reuses == 1);
+  CHECK(a.find(y)->requested == kMiB - 1000);
+
+  // Its free waits for stream 2 (still busy): stream 1 must not get it back meanwhile.
+  a.deallocate(y);
+  a.check_invariants();
+  CHECK(a.pending_frees() == 1);
+  void* z = a.allocate(kMiB, 1);
+  CHECK(z != x);
+  sim->release_stream(2);
+  a.deallocate(a.allocate(4096, 1));  // polls: the reused free's events and the new one's complete
+  a.check_invariants();
+  CHECK(a.pending_frees() == 0);
+
+  // The block's own stream still busy: not reusable on stream 2.
+  sim->hold_stream(1);
+  sim->hold_stream(2);
+  void* w = a.allocate(kMiB, 1);
+  a.record_stream(w, 2);
+  a.deallocate(w);
+  void* v = a.allocate(kMiB, 2);
+  a.check_invariants();
+  CHECK(v != w);
+  CHECK(a.stats().parked_reuses == 1);
+  sim->release_stream(1);  // now its own stream is done too
+  void* w2 = a.allocate(kMiB, 2);
+  a.check_invariants();
+  CHECK(w2 == w);
+  // A third stream used it too and is busy: not reusable on stream 2 until it is done.
+  sim->hold_stream(3);
+  void* u = a.allocate(3 * kMiB, 1);
+  a.record_stream(u, 2);
+  a.record_stream(u, 3);
+  a.deallocate(u);
+  void* t = a.allocate(3 * kMiB, 2);
+  CHECK(t != u);
+  sim->release_stream(3);
+  void* r = a.allocate(3 * kMiB, 2);
+  a.check_invariants();
+  CHECK(r == u);
+  CHECK(a.stats().parked_reuses == 3);
+
+  for (void* p : {other_size, on_own_stream, z, v, w2, t, r}) {
+    a.deallocate(p);
+  }
+  sim->release_stream(2);
+  a.empty_cache();  // waits for the parked frees, drops the reused ones' events
+  a.check_invariants();
+  CHECK(a.pending_frees() == 0);
+  if (count_events) {  // not size_class: it keeps an event per stream pool of its own (its epochs) keeps an event per stream pool of its own (its epochs)
+    CHECK(sim->live_events() == policy_events);  // every event of the front end destroyed
+  }
+  CHECK(a.stats().active_bytes.current == 0);
+  CHECK(a.stats().allocated_bytes.current == 0);
+}
+}  // namespace
+
+TEST_CASE("front end: reuse_parked gives a parked free to the stream it waits for", "[core]") {
+  SimOptions o;
+  o.auto_complete_events = true;  // streams not held are done at once
+  SECTION("size_class") {
+    check_reuse_on_waited_stream<SizeClassPolicy>(std::make_unique<SimBackend>(o), "", false);
+  }
+  SECTION("size_class, events recorded at the free") {
+    check_reuse_on_waited_stream<SizeClassPolicy>(std::make_unique<SimBackend>(o), ",share_events:False",
+                                                  false);
+  }
+  SECTION("defrag") {
+    o.capacity = std::size_t{1} << 34;
+    check_reuse_on_waited_stream<DefragPolicy>(std::make_unique<SimBackend>(o), "", true);
+  }
+  SECTION("defrag, events recorded at the free") {
+    o.capacity = std::size_t{1} << 34;
+    check_reuse_on_waited_stream<DefragPolicy>(std::make_unique<SimBackend>(o), ",share_events:False", true);
+  }
+  SECTION("off by default") {
+    auto backend = std::make_unique<SimBackend>(SimOptions{});
+    SimBackend* sim = backend.get();
+    Config config;
+    CachingAllocator<SizeClassPolicy> a(std::move(backend), config);
+    a.deallocate(a.allocate(4096, 1));
+    sim->hold_stream(2);
+    void* x = a.allocate(kMiB, 1);
+    a.record_stream(x, 2);
+    a.deallocate(x);
+    void* y = a.allocate(kMiB, 2);
+    CHECK(y != x);
+    CHECK(a.stats().parked_reuses == 0);
+    a.deallocate(y);
+    sim->release_stream(2);
+    a.empty_cache();
+    a.check_invariants();
+  }
+}
+
 TEST_CASE("front end: event_poll_interval polls parked frees at every N-th allocation only",
           "[core]") {
   auto backend = std::make_unique<SimBackend>(SimOptions{});

@@ -102,6 +102,66 @@ TEST_CASE("record_stream keeps a block from reuse while the other stream uses it
   CHECK(s.reserved_bytes.current == 0);
 }
 
+TEST_CASE("reuse_parked hands a parked block to the stream it waits for, in that stream's order",
+          "[gpu][record_stream]") {
+  // Note [Reusing a parked free on the stream it waits for] (allocator.h) on the real device: A
+  // is allocated on s1 and used by s2's ~50 ms kernel, then freed (parked behind s2). With s1
+  // idle, an allocation of A's size on s2 gets A at once, while s2's kernel still runs; s2's next
+  // work (a fill with pattern 3) runs after that kernel, so the kernel sees no change, and A then
+  // holds pattern 3. A's next free waits for s2 again: s1 does not get it while s2 is busy.
+  const std::string policy = GENERATE(from_range(gpu_policy_names()));
+  CAPTURE(policy);
+  auto alloc = make_gpu_allocator(policy, "reuse_parked:True");
+  TestStream s1;
+  TestStream s2;
+  constexpr std::uint64_t kSeed = 79;
+  constexpr std::size_t bytes = 8 * kMiB;
+  void* a = alloc->allocate(bytes, s1.id());
+  const HeldOnS2 held(a, bytes, kSeed, s1, s2);
+  alloc->record_stream(a, s2.id());
+  alloc->deallocate(a);
+  REQUIRE(alloc->pending_frees() == 1);
+  GPU_REQUIRE_OK(cudaStreamSynchronize(s1.get()));  // A's own stream is done with it
+  void* b = alloc->allocate(bytes, s2.id());
+  const bool raced = cudaStreamQuery(s2.get()) == cudaErrorNotReady;
+  (void)cudaGetLastError();
+  CHECK(b == a);
+  CHECK(alloc->stats().parked_reuses == 1);
+  CHECK(alloc->pending_frees() == 0);
+  if (!raced) {
+    WARN("s2's kernel finished before the allocation; the test did not race");
+  }
+  GPU_REQUIRE_OK(launch_fill(b, bytes, 3, kSeed, s2.get()));
+  DeviceCounter filled_after;
+  GPU_REQUIRE_OK(launch_verify(b, bytes, 3, kSeed, filled_after.get(), s2.get()));
+  // A second long kernel on s2 keeps it busy while b is freed and s1 asks for the same size.
+  const HeldOnS2 again(b, bytes, kSeed + 1, s2, s2);
+  alloc->deallocate(b);
+  void* c = alloc->allocate(bytes, s1.id());
+  const bool s2_busy = cudaStreamQuery(s2.get()) == cudaErrorNotReady;
+  (void)cudaGetLastError();
+  if (s2_busy) {
+    CHECK(c != b);
+  } else {
+    WARN("s2's second kernel finished before s1's allocation; that part did not race");
+  }
+  GPU_REQUIRE_OK(launch_fill(c, bytes, 4, kSeed, s1.get()));
+  GPU_REQUIRE_OK(cudaStreamSynchronize(s2.get()));
+  GPU_REQUIRE_OK(cudaStreamSynchronize(s1.get()));
+  CHECK(held.mismatches.read() == 0);
+  CHECK(held.checksum.read() == expected_checksum(bytes, 2, kSeed));
+  CHECK(filled_after.read() == 0);  // s2's fill ran after its kernel, not under it
+  CHECK(again.mismatches.read() == 0);
+  CHECK(again.checksum.read() == expected_checksum(bytes, 2, kSeed + 1));
+  alloc->deallocate(c);
+  alloc->check_invariants();
+  alloc->empty_cache();
+  alloc->check_invariants();
+  const Stats st = alloc->stats();
+  CHECK(st.allocated_bytes.current == 0);
+  CHECK(st.active_bytes.current == 0);
+}
+
 TEST_CASE("defrag with wait_parked_to_grow waits for the other stream instead of growing",
           "[gpu][record_stream][defrag]") {
   // Note [Waiting for frees in flight instead of growing] (allocator.h) on the real device: A is

@@ -93,6 +93,30 @@
 // on it, before any other allocator call, sets `share_events:False` (CACHEALLOC_CONF): every
 // parked free then records its events at the free, as before session 39.
 //
+// Note [Reusing a parked free on the stream it waits for]
+// A parked free waits for the other streams that used the block; but an allocation on one of
+// those streams, S, is ordered after all of S's work queued before the free by the stream
+// itself, so it may take the block as soon as every other stream is done with it: the streams
+// other than S that used it, and the block's own stream (its event at the free). That is the
+// reuse a stream-ordered pool allows within one stream (cudaMallocAsync), applied to
+// record_stream's frees. The job it is for offloads activations: forward frees each one once its
+// copy to the host is queued on the copy stream, and backward allocates the copy back on that
+// same stream, same size, while the copy stream may still be draining forward's copies; then
+// main allocates the gradient of the same shape while the block just copied back waits for main.
+// Without this, those requests grow memory (or move pages between the streams' ranges) while
+// the parked blocks are memory in flight: over the offload recordings (`--stream-lags` frees
+// waiting for the other stream), 592-878 such requests per 13 steps, peak allocated + parked
+// 9.3-14.8 -> 7.0-9.1 GB when each takes a parked free of its size (bench/results/
+// defrag_session40_2026-12-06.md). With `reuse_parked:True` (CACHEALLOC_CONF) allocate() first
+// looks among the frees parked behind its stream (`StreamWaits::sizes`, by block size: sizes in
+// [request, request + 1/32]) for one whose other events completed (queried, as the poll does);
+// the block becomes a live allocation again, owned by its old stream as the policy knows it, with
+// S as a stream that used it (so its next free waits for S). The parked free stays in pending_
+// as `reused`, holding no bytes, until its queued events completed (the poll releases them; the
+// flushes release them without waiting): the queues need no change. A policy never sees any of
+// it: to the policy the block stayed allocated. No event is waited for, and none is recorded on
+// S on the allocation's behalf: the block is S's only after all other work on it is done.
+//
 // Note [Waiting for frees in flight instead of growing]
 // Parked frees are memory in flight: a job that offloads activations to the host frees each one
 // once its copy is queued, and the block comes back only when the copy stream got there. The
@@ -233,6 +257,7 @@
 #include <cstddef>
 #include <exception>
 #include <functional>
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -329,6 +354,9 @@ class CachingAllocator final : public DeviceAllocator {
     if (auto v = config.take_bool("share_events")) {  // Note [Events shared by a burst of parked frees]
       share_events_ = *v;
     }
+    if (auto v = config.take_bool("reuse_parked")) {  // Note [Reusing a parked free on the stream it waits for]
+      reuse_parked_ = *v;
+    }
     // Note [The step memo]: on by default for a policy whose placement is deterministic.
     memo_enabled_ = memo_capable();
     if (auto v = config.take_bool("step_memo")) {
@@ -380,8 +408,13 @@ class CachingAllocator final : public DeviceAllocator {
       }
       memo_leave();
     }
-    if (parked_count_ != 0 && ++allocs_since_poll_ >= poll_interval_) {  // Note [Polling parked frees]
+    if ((parked_count_ | reused_count_) != 0 && ++allocs_since_poll_ >= poll_interval_) {  // Note [Polling parked frees]
       poll_pending();
+    }
+    if (reuse_parked_ && parked_count_ != 0) {  // Note [Reusing a parked free on the stream it waits for]
+      if (void* ptr = reuse_parked(bytes, stream)) {
+        return ptr;
+      }
     }
     Block block;
     try {
@@ -574,6 +607,7 @@ class CachingAllocator final : public DeviceAllocator {
     active_freed_bytes_ = active_freed_count_ = 0;
     stats_.num_alloc_retries = stats_.num_ooms = stats_.num_sync_all_streams = 0;
     stats_.parked_waits = stats_.parked_wait_ns = 0;
+    stats_.parked_reuses = stats_.parked_reuse_bytes = 0;
   }
 
   void check_invariants() const override {
@@ -592,13 +626,28 @@ class CachingAllocator final : public DeviceAllocator {
     });
     std::size_t parked = 0;
     std::size_t gone = 0;
+    std::size_t reused = 0;
+    std::vector<std::uintptr_t> parked_ptrs;
     for (const Parked& p : pending_) {
       if (p.gone) {
         ++gone;
         continue;
       }
+      if (p.reused) {  // Note [Reusing a parked free on the stream it waits for]
+        CACHEALLOC_CHECK_INVARIANT(p.own_event == 0 && p.outstanding != 0,
+                                   "a reused parked free holds its own event or no event at all");
+        ++reused;
+        continue;
+      }
       parked += p.block.size;
+      const auto key = reinterpret_cast<std::uintptr_t>(p.block.ptr);
+      CACHEALLOC_CHECK_INVARIANT(map_.find(key) == nullptr, "a parked free's block is also live");
+      parked_ptrs.push_back(key);
     }
+    std::sort(parked_ptrs.begin(), parked_ptrs.end());
+    CACHEALLOC_CHECK_INVARIANT(std::adjacent_find(parked_ptrs.begin(), parked_ptrs.end()) == parked_ptrs.end(),
+                               "a block parked twice");
+    CACHEALLOC_CHECK_INVARIANT(reused == reused_count_, "reused parked frees miscounted");
     check_waits(gone);
     CACHEALLOC_CHECK_INVARIANT(static_cast<std::int64_t>(allocated) == allocated_.current,
                                "allocated_bytes stat disagrees with the pointer map");
@@ -607,7 +656,7 @@ class CachingAllocator final : public DeviceAllocator {
     CACHEALLOC_CHECK_INVARIANT(static_cast<std::int64_t>(map_.size()) == allocation_.current,
                                "allocation stat disagrees with the pointer map");
     CACHEALLOC_CHECK_INVARIANT(static_cast<std::int64_t>(parked) == parked_bytes_ &&
-                                   static_cast<std::int64_t>(pending_.size() - gone) == parked_count_,
+                                   static_cast<std::int64_t>(pending_.size() - gone - reused) == parked_count_,
                                "parked bytes or count disagree with the parked frees");
     const Stats s = snapshot();
     CACHEALLOC_CHECK_INVARIANT(s.active_bytes.current >= s.allocated_bytes.current &&
@@ -691,6 +740,10 @@ class CachingAllocator final : public DeviceAllocator {
       if (p.gone) {
         continue;  // handed back by poll_pending: erased here
       }
+      if (p.reused) {
+        drop_reused(p);  // its block is live again: its events are not waited for
+        continue;
+      }
       bool done = false;
       try {
         done = events_done(p, wait, busy);
@@ -741,6 +794,9 @@ class CachingAllocator final : public DeviceAllocator {
     std::uint32_t outstanding = 0;  // events not yet seen complete (kept by poll_pending)
     bool gone = false;              // handed back by poll_pending, not yet erased from pending_
     bool unrecorded = false;        // its events wait for the burst's (record_burst)
+    // Taken again by an allocation on a stream it waited for (Note [Reusing a parked free on the
+    // stream it waits for]): holds no bytes, only its events until they complete.
+    bool reused = false;
   };
   /// An event several parked frees wait for (Note [Events shared by a burst of parked frees]).
   struct SharedEvent {
@@ -748,14 +804,18 @@ class CachingAllocator final : public DeviceAllocator {
     std::uint32_t holders;  // parked frees still holding it
   };
   /// One event of a parked free that has not completed: Note [Parked frees by stream].
+  /// Parked frees waiting for one stream, by block size (reuse_parked only): size -> seq.
+  using SizeIndex = std::multimap<std::size_t, std::uint64_t>;
   struct Waiting {
     EventId event;
     std::uint64_t seq;   // the parked free's
     std::uint32_t slot;  // its index in the parked free's events
+    SizeIndex::iterator by_size{};  // its entry in the stream's `sizes` (reuse_parked only)
   };
   struct StreamWaits {
     StreamId stream;
     std::deque<Waiting> fifo;  // in the order the events were recorded on the stream
+    SizeIndex sizes;           // one entry per fifo entry when reuse_parked is on
   };
 
   /// The pool's attributes and the policy's share of them; nullopt when the device cannot answer
@@ -914,6 +974,10 @@ class CachingAllocator final : public DeviceAllocator {
         if (p.gone) {
           continue;
         }
+        if (p.reused) {
+          drop_reused(p);
+          continue;
+        }
         if (!events_done(p, /*wait=*/true, none)) {
           break;  // its events could not be recorded: it stays parked
         }
@@ -932,6 +996,103 @@ class CachingAllocator final : public DeviceAllocator {
     pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(i));
     flush_pending(/*wait=*/false);  // also rebuilds the waits and tells the policy the parked bytes
     return waited;
+  }
+
+  /// Note [Reusing a parked free on the stream it waits for]: a free parked behind `stream` whose
+  /// block fits `bytes` and whose other streams (its own included) are done with it becomes this
+  /// allocation; nullptr when there is none (the caller asks the policy as usual).
+  CACHEALLOC_SLOW_PATH void* reuse_parked(std::size_t bytes, StreamId stream) {
+    if (waits_stale_) {
+      return nullptr;  // the queues wait for a rebuild (a flush): no index to search
+    }
+    StreamWaits* w = nullptr;
+    for (StreamWaits& x : waits_) {
+      if (x.stream == stream) {
+        w = &x;
+        break;
+      }
+    }
+    if (w == nullptr) {
+      return nullptr;
+    }
+    const std::size_t most = bytes + std::max(bytes / 32, std::size_t{511});
+    constexpr int kTries = 4;  // candidates asked per allocation: a bounded cost when none fits
+    int tries = 0;
+    for (auto it = w->sizes.lower_bound(bytes); it != w->sizes.end() && it->first <= most && tries < kTries;
+         ++it) {
+      Parked& p = parked_by_seq(it->second);
+      if (p.reused) {
+        continue;  // taken already; its entry leaves with its event
+      }
+      ++tries;
+      if (reusable_on(p, stream)) {
+        return take_parked(p, bytes, stream);
+      }
+    }
+    return nullptr;
+  }
+
+  /// Whether every stream but `stream` that may touch the parked block is done with it: the other
+  /// streams that used it and its own stream (the event at its free).
+  bool reusable_on(Parked& p, StreamId stream) noexcept {
+    if (p.gone || p.needs_events || p.unrecorded || p.own_event == 0 || p.stream == stream) {
+      return false;
+    }
+    for (std::size_t i = 0; i < p.events.size(); ++i) {
+      if (p.streams[i] != stream && p.events[i] != 0 && !event_done(p.events[i])) {
+        return false;
+      }
+    }
+    return event_done(p.own_event);
+  }
+
+  /// The parked free `p` becomes a live allocation of `bytes` on `stream` (reusable_on said so).
+  /// To the policy the block never left its old stream; `stream` is a stream that used it, so
+  /// its next free waits for `stream`'s work. Returns nullptr, changing nothing, out of host memory.
+  void* take_parked(Parked& p, std::size_t bytes, StreamId stream) {
+    const auto key = reinterpret_cast<std::uintptr_t>(p.block.ptr);
+    try {
+      auto used = std::make_unique<std::vector<StreamId>>(1, stream);
+      map_.insert(key, Entry{p.block, bytes, p.stream, std::move(used)});
+    } catch (...) {  // bad_alloc: the policy serves this allocation instead
+      return nullptr;
+    }
+    p.reused = true;
+    ++reused_count_;
+    release_event(p.own_event);
+    p.own_event = 0;
+    const auto size = static_cast<std::int64_t>(p.block.size);
+    parked_bytes_ -= size;
+    --parked_count_;
+    active_freed_bytes_ += size;  // the parked free ends here (active = allocated + parked)
+    ++active_freed_count_;
+    allocated_.increase(size);
+    requested_.increase(static_cast<std::int64_t>(bytes));
+    allocation_.increase(1);
+    ++stats_.parked_reuses;
+    stats_.parked_reuse_bytes += static_cast<std::uint64_t>(size);
+    note_parked_to_policy();
+    if (memo_learning_) {
+      learner_.restart();  // depends on the streams' progress: not a repeatable call
+    }
+    if (observer_) {  // a recording reads a completed free, then an allocation at its address
+      notify(AllocatorEvent::free_completed, key, p.requested, p.stream);
+      notify(AllocatorEvent::alloc, key, bytes, stream);
+    }
+    return p.block.ptr;
+  }
+
+  /// A reused parked free leaves pending_ (a flush): its events are released, not waited for.
+  void drop_reused(Parked& p) noexcept {
+    for (EventId& ev : p.events) {
+      if (ev != 0) {
+        release_event(ev);
+        ev = 0;
+      }
+    }
+    p.outstanding = 0;
+    p.gone = true;
+    --reused_count_;
   }
 
   /// A parked free whose other streams are done goes to the policy (settled when its own
@@ -1017,14 +1178,21 @@ class CachingAllocator final : public DeviceAllocator {
           break;  // every later event of this stream was recorded after it
         }
         w.fifo.pop_front();
+        if (reuse_parked_) {
+          w.sizes.erase(front.by_size);
+        }
         Parked& p = parked_by_seq(front.seq);
         release_event(front.event);
         p.events[front.slot] = 0;
         if (--p.outstanding == 0) {
-          hand_back(p, /*wait_own=*/false);
+          if (p.reused) {
+            --reused_count_;  // its block is live again: nothing to hand back
+          } else {
+            hand_back(p, /*wait_own=*/false);
+            handed = true;
+          }
           p.gone = true;
           ++gone_;
-          handed = true;
         }
       }
       drained = drained || w.fifo.empty();
@@ -1032,10 +1200,10 @@ class CachingAllocator final : public DeviceAllocator {
     if (drained) {  // only streams with events outstanding stay: a poll visits no idle stream
       std::erase_if(waits_, [](const StreamWaits& w) { return w.fifo.empty(); });
     }
+    if (gone_ * 2 >= pending_.size() && gone_ != 0) {  // erased in bulk: O(1) per free over time
+      erase_gone();
+    }
     if (handed) {
-      if (gone_ * 2 >= pending_.size()) {  // erased in bulk: O(1) per free over time
-        erase_gone();
-      }
       note_parked_to_policy();
     }
   }
@@ -1120,7 +1288,7 @@ class CachingAllocator final : public DeviceAllocator {
       p.unrecorded = false;
       if (!shareable) {
         record_events(p);
-        if constexpr (kTakesSettled) {
+        if (kTakesSettled || reuse_parked_) {
           try {
             p.own_event = backend_->record_event(p.stream);
           } catch (...) {  // NOLINT(bugprone-empty-catch)
@@ -1144,7 +1312,8 @@ class CachingAllocator final : public DeviceAllocator {
         }
         p.events.push_back(ev);
       }
-      if constexpr (kTakesSettled) {  // Note [Frees that come back settled]
+      // Note [Frees that come back settled], Note [Reusing a parked free on the stream it waits for]
+      if (kTakesSettled || reuse_parked_) {
         p.own_event = event_on(p.stream);
       }
       add_waits(p);
@@ -1209,7 +1378,19 @@ class CachingAllocator final : public DeviceAllocator {
     try {
       for (std::size_t i = 0; i < p.events.size(); ++i) {
         if (p.events[i] != 0) {
-          waits_for(p.streams[i]).push_back(Waiting{p.events[i], p.seq, static_cast<std::uint32_t>(i)});
+          StreamWaits& w = waits_for(p.streams[i]);
+          Waiting q{p.events[i], p.seq, static_cast<std::uint32_t>(i)};
+          if (reuse_parked_) {
+            q.by_size = w.sizes.emplace(p.block.size, p.seq);
+          }
+          try {
+            w.fifo.push_back(q);
+          } catch (...) {
+            if (reuse_parked_) {
+              w.sizes.erase(q.by_size);
+            }
+            throw;
+          }
           ++p.outstanding;
         }
       }
@@ -1218,14 +1399,14 @@ class CachingAllocator final : public DeviceAllocator {
     }
   }
 
-  std::deque<Waiting>& waits_for(StreamId stream) {
+  StreamWaits& waits_for(StreamId stream) {
     for (StreamWaits& w : waits_) {
       if (w.stream == stream) {
-        return w.fifo;
+        return w;
       }
     }
-    waits_.push_back(StreamWaits{stream, {}});
-    return waits_.back().fifo;
+    waits_.push_back(StreamWaits{stream, {}, {}});
+    return waits_.back();
   }
 
   /// The queues again from pending_, after a pass over it (flush_pending) changed its events.
@@ -1284,6 +1465,12 @@ class CachingAllocator final : public DeviceAllocator {
     std::size_t queued = 0;
     for (const StreamWaits& w : waits_) {
       CACHEALLOC_CHECK_INVARIANT(!w.fifo.empty(), "a stream without events outstanding is still polled");
+      CACHEALLOC_CHECK_INVARIANT(w.sizes.size() == (reuse_parked_ ? w.fifo.size() : 0),
+                                 "the size index of a stream's parked frees differs from its queue");
+      for (const Waiting& q : w.fifo) {
+        CACHEALLOC_CHECK_INVARIANT(!reuse_parked_ || q.by_size->second == q.seq,
+                                   "a queued event's size index entry names another parked free");
+      }
       for (const Waiting& q : w.fifo) {
         auto it = std::lower_bound(pending_.begin(), pending_.end(), q.seq,
                                    [](const Parked& p, std::uint64_t s) { return p.seq < s; });
@@ -1595,12 +1782,17 @@ class CachingAllocator final : public DeviceAllocator {
   std::uint32_t allocs_since_poll_ = 0;
   PointerMap<Entry> map_;
   std::vector<Parked> pending_;
-  std::vector<StreamWaits> waits_;  // Note [Parked frees by stream]
+  // Note [Parked frees by stream]; a list: its queues' entries hold iterators into `sizes`, which
+  // a vector's growth would copy (a deque's move may throw, so the vector copies).
+  std::list<StreamWaits> waits_;
   std::uint64_t next_parked_seq_ = 0;
   std::size_t gone_ = 0;       // entries of pending_ handed back by poll_pending, not erased yet
   bool waits_stale_ = false;   // waits_ lacks events (some could not be recorded): rebuild them
   // Note [Events shared by a burst of parked frees]
   bool share_events_ = true;                  // CACHEALLOC_CONF share_events
+  // Note [Reusing a parked free on the stream it waits for]
+  bool reuse_parked_ = false;                 // CACHEALLOC_CONF reuse_parked
+  std::size_t reused_count_ = 0;              // entries of pending_ reused, not yet gone
   std::size_t unrecorded_ = 0;               // the newest parked frees, events not yet recorded
   std::vector<SharedEvent> shared_events_;   // events held by more than one parked free
   EventId known_done_ = 0;                   // the last event seen complete, still alive

@@ -78,6 +78,10 @@ struct Stats {
   /// growths the policy held back, and the time spent waiting for parked frees instead.
   std::uint64_t parked_waits = 0;
   std::uint64_t parked_wait_ns = 0;
+  /// reuse_parked (Note [Reusing a parked free on the stream it waits for], allocator.h): parked
+  /// frees an allocation on a stream they waited for took at once, and their bytes.
+  std::uint64_t parked_reuses = 0;
+  std::uint64_t parked_reuse_bytes = 0;
   std::uint64_t alloc_ns = 0;           ///< time inside allocate() when timing is on
   std::uint64_t free_ns = 0;            ///< time inside deallocate() when timing is on
   std::uint64_t alloc_calls = 0;
