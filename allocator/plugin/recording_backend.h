@@ -44,6 +44,9 @@ class RecordingBackend final : public DeviceBackend, private VirtualMemory {
   [[nodiscard]] EventId record_event(StreamId stream) override { return inner_->record_event(stream); }
   [[nodiscard]] bool query_event(EventId event) override { return inner_->query_event(event); }
   void synchronize_event(EventId event) override { inner_->synchronize_event(event); }
+  [[nodiscard]] bool stream_wait_event(StreamId stream, EventId event) override {
+    return inner_->stream_wait_event(stream, event);
+  }
   void destroy_event(EventId event) noexcept override { inner_->destroy_event(event); }
 
   [[nodiscard]] VirtualMemory* virtual_memory() noexcept override {

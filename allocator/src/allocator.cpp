@@ -100,6 +100,7 @@ std::map<std::string, std::int64_t> Stats::to_map() const {
   m["parked_wait_ns"] = static_cast<std::int64_t>(parked_wait_ns);
   m["parked_reuses"] = static_cast<std::int64_t>(parked_reuses);
   m["parked_reuse_bytes"] = static_cast<std::int64_t>(parked_reuse_bytes);
+  m["parked_reuse_waits"] = static_cast<std::int64_t>(parked_reuse_waits);
   m["alloc_calls"] = static_cast<std::int64_t>(alloc_calls);
   m["free_calls"] = static_cast<std::int64_t>(free_calls);
   m["allocator_ns"] = static_cast<std::int64_t>(alloc_ns + free_ns);

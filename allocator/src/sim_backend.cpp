@@ -359,8 +359,82 @@ void SimBackend::do_unmap_after(std::uintptr_t va, std::size_t bytes, StreamId s
 bool SimBackend::event_done(EventId id) const {
   const Event& e = events_.at(id);
   auto done = stream_completed_upto_.find(e.stream);
-  return e.done || (done != stream_completed_upto_.end() && e.sequence <= done->second) ||
-         (e.ready_ns != 0 && clock_ns_ >= e.ready_ns);
+  const bool own = e.done || (done != stream_completed_upto_.end() && e.sequence <= done->second) ||
+                   (e.ready_ns != 0 && clock_ns_ >= e.ready_ns);
+  return own && waits_done(e);
+}
+
+// Note [Simulated stream waits]
+bool SimBackend::waits_done(const Event& e) const {
+  auto it = stream_waits_.find(e.stream);
+  if (it == stream_waits_.end()) {
+    return true;
+  }
+  for (const StreamWait& w : it->second) {
+    if (e.sequence > w.after && !event_done(w.event)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void SimBackend::prune_waits(StreamId stream) {
+  auto it = stream_waits_.find(stream);
+  if (it == stream_waits_.end()) {
+    return;
+  }
+  std::vector<StreamWait>& waits = it->second;
+  for (std::size_t i = 0; i < waits.size();) {
+    const EventId ev = waits[i].event;
+    if (!event_done(ev)) {
+      ++i;
+      continue;
+    }
+    waits[i] = waits.back();
+    waits.pop_back();
+    if (--waiters_[ev] == 0) {
+      waiters_.erase(ev);
+      auto e = events_.find(ev);
+      if (e != events_.end() && e->second.destroyed) {
+        events_.erase(e);
+        --waited_destroyed_;
+      }
+    }
+  }
+  if (waits.empty()) {
+    stream_waits_.erase(it);
+  }
+}
+
+bool SimBackend::stream_wait_event(StreamId stream, EventId event) {
+  auto it = events_.find(event);
+  if (it == events_.end() || it->second.destroyed) {
+    throw DeviceError("simulated device: stream wait for an unknown event " + std::to_string(event));
+  }
+  if (!options_.stream_waits) {
+    return false;
+  }
+  prune_waits(stream);
+  if (event_done(event)) {
+    return true;  // nothing left to wait for
+  }
+  stream_waits_[stream].push_back(StreamWait{event, stream_recorded_[stream]});
+  ++waiters_[event];
+  return true;
+}
+
+bool SimBackend::stream_waits_for(StreamId stream, StreamId other, std::uint64_t after) const {
+  auto it = stream_waits_.find(stream);
+  if (it == stream_waits_.end()) {
+    return false;
+  }
+  for (const StreamWait& w : it->second) {
+    const Event& e = events_.at(w.event);
+    if (e.stream == other && e.sequence > after) {
+      return true;
+    }
+  }
+  return false;
 }
 
 std::uintptr_t SimBackend::queued_unmap_end(std::uintptr_t va, std::size_t bytes) const noexcept {
@@ -446,9 +520,10 @@ bool SimBackend::query_event(EventId event) {
   maybe_throw(SimCall::query_event);
   ++mutable_counters().event_queries;
   auto it = events_.find(event);
-  if (it == events_.end()) {
+  if (it == events_.end() || it->second.destroyed) {
     throw DeviceError("simulated device: query of an unknown event " + std::to_string(event));
   }
+  prune_waits(it->second.stream);
   return event_done(event);
 }
 
@@ -466,13 +541,21 @@ std::size_t SimBackend::pending_events() const {
 void SimBackend::synchronize_event(EventId event) {
   maybe_throw(SimCall::synchronize_event);
   auto it = events_.find(event);
-  if (it == events_.end()) {
+  if (it == events_.end() || it->second.destroyed) {
     throw DeviceError("simulated device: synchronize of an unknown event " + std::to_string(event));
   }
   wait_until_done(it->second);
 }
 
 void SimBackend::wait_until_done(Event& e) {
+  if (auto it = stream_waits_.find(e.stream); it != stream_waits_.end()) {
+    const std::vector<StreamWait> waits = it->second;  // waiting may prune the list
+    for (const StreamWait& w : waits) {
+      if (e.sequence > w.after && events_.contains(w.event)) {
+        wait_until_done(events_.at(w.event));  // Note [Simulated stream waits]: those come first
+      }
+    }
+  }
   if (e.done) {
     return;
   }
@@ -488,7 +571,18 @@ void SimBackend::wait_until_done(Event& e) {
   }
 }
 
-void SimBackend::destroy_event(EventId event) noexcept { events_.erase(event); }
+void SimBackend::destroy_event(EventId event) noexcept {
+  auto it = events_.find(event);
+  if (it == events_.end() || it->second.destroyed) {
+    return;
+  }
+  if (waiters_.contains(event)) {  // a stream still waits for it: kept, uncounted
+    it->second.destroyed = true;
+    ++waited_destroyed_;
+    return;
+  }
+  events_.erase(it);
+}
 
 std::uint64_t SimBackend::stream_recorded(StreamId stream) const {
   auto it = stream_recorded_.find(stream);
@@ -525,6 +619,11 @@ void SimBackend::hold_stream(StreamId stream) { held_.insert(stream); }
 
 void SimBackend::release_stream(StreamId stream) {
   held_.erase(stream);
+  if (auto w = stream_waits_.find(stream); w != stream_waits_.end()) {
+    for (StreamWait& x : w->second) {
+      x.after = 0;  // its sequence numbers restart: the waits hold for every later event
+    }
+  }
   for (auto& [id, ev] : events_) {
     if (ev.stream == stream) {
       ev.done = true;

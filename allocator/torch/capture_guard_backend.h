@@ -65,6 +65,9 @@ class CaptureGuardBackend final : public DeviceBackend, private VirtualMemory {
   [[nodiscard]] EventId record_event(StreamId stream) override;
   [[nodiscard]] bool query_event(EventId event) override;
   void synchronize_event(EventId event) override;
+  /// Not while a capture is underway (a wait on work outside the graph): false, the caller
+  /// then needs the event complete, which query_event() does not say before the capture ends.
+  [[nodiscard]] bool stream_wait_event(StreamId stream, EventId event) override;
   void destroy_event(EventId event) noexcept override;
 
   [[nodiscard]] VirtualMemory* virtual_memory() noexcept override {

@@ -195,7 +195,7 @@ COUNTER_KEYS = ("allocator_ns", "alloc_calls", "free_calls", "num_device_alloc",
                 # wait_parked_to_grow (allocator.h)
                 "parked_waits", "parked_wait_ns",
                 # reuse_parked (Note [Reusing a parked free on the stream it waits for], allocator.h)
-                "parked_reuses", "parked_reuse_bytes",
+                "parked_reuses", "parked_reuse_bytes", "parked_reuse_waits",
                 # policy defrag's own counters (DefragPolicy::stat_counters())
                 "defrag.pages_moved", "defrag.chunks_moved", "defrag.stream_waits", "defrag.wait_ns",
                 "defrag.move_ns", "defrag.grow_allocations", "defrag.pages_created", "defrag.slack_raises",
@@ -1377,7 +1377,8 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any], meta: dict[str, 
                 f"{d.get('num_event_records', 0):,.1f} event records and {d.get('num_event_queries', 0):,.1f} "
                 "event queries"
                 + (f"; {d['parked_reuses']:,.1f} parked frees per step reused on the stream they waited for "
-                   f"({d.get('parked_reuse_bytes', 0) / 2**20:,.0f} MiB)" if d.get("parked_reuses") else "")
+                   f"({d.get('parked_reuse_bytes', 0) / 2**20:,.0f} MiB; {d.get('parked_reuse_waits', 0):,.1f} of them "
+                   "made that stream wait for another's event)" if d.get("parked_reuses") else "")
                 for cfg, r in event_rows for d in [r["counters_delta_per_step"]]]
         call_lines = [line for cfg, r in rows.items()
                       if (line := device_call_line(cfg, r.get("counters_delta_per_step", {})))]

@@ -105,6 +105,7 @@ int main(int argc, char** argv) {
   std::uint32_t phases = 0;
   std::uint64_t gpu_lag_us = 0;
   bool stream_lags = false;
+  bool late_other = false;
   std::vector<std::string> call_costs;
   int gpu = 0;
   std::uint64_t sample_every = 64;
@@ -151,10 +152,16 @@ int main(int argc, char** argv) {
                  "simulated device: the GPU finishes the work queued on a stream this many "
                  "microseconds (of the trace's own clock) after the host queued it, so events "
                  "complete late and waiting for one costs host time (default 0: at once)");
-  app.add_flag("--stream-lags", stream_lags,
+  CLI::Option* lags_flag = app.add_flag("--stream-lags", stream_lags,
                "simulated device: a stream stays busy as long as the trace's late frees "
                "(record_stream) show its work ran behind the host, on top of --gpu-lag-us (Note "
                "[Each stream's own lag]); for jobs that hand memory between streams");
+  app.add_flag("--late-frees-on-other-stream", late_other,
+               "with --stream-lags, on a trace with two streams: a late free waits for the stream "
+               "that did not allocate the block (the only one that can have used it) instead of a "
+               "private stream, so an allocation on that stream sees the free parked behind it, "
+               "as reuse_parked needs (Note [Late frees on the other stream])")
+      ->needs(lags_flag);
   std::string cost_help =
       "simulated device: what one device call costs the host, as KIND=MICROSECONDS (repeatable), "
       "for another GPU's measured costs or to check how much a result depends on them; KIND and "
@@ -278,6 +285,7 @@ int main(int argc, char** argv) {
       opts.phases = phases;
       opts.gpu_lag_us = gpu_lag_us;
       opts.stream_lags = stream_lags;
+      opts.late_frees_on_other_stream = late_other;
       opts.call_costs = costs;
       std::string conf;
       if (auto it = conf_of.find(p); it != conf_of.end()) {
@@ -464,6 +472,7 @@ int main(int argc, char** argv) {
       j["stream_peaks_sum_bytes"] = replay::stream_peaks_sum(prepared);
       j["peak_live_pending_bytes"] = prepared.peak_live_pending;
       j["stream_lags"] = stream_lags;
+      j["late_frees_on_other_stream"] = late_other;
       j["policies"] = nlohmann::json::array();
       for (const replay::PolicyResult& r : results) {
         nlohmann::json p;
@@ -480,6 +489,7 @@ int main(int argc, char** argv) {
           p["map_calls"] = r.map_calls;
           p["unmap_calls"] = r.unmap_calls;
           p["parked_waits"] = r.parked_waits;
+          p["parked_reuses"] = r.parked_reuses;
           p["parked_wait_ns"] = r.parked_wait_ns;
           p["mapped_bytes"] = r.mapped_bytes;
           p["events_recorded"] = r.events_recorded;

@@ -318,8 +318,27 @@ Fidelity compare_segments(const PreparedTrace& trace,
   return f;
 }
 
-Player::Player(const PreparedTrace& trace, DeviceAllocator& allocator, SimBackend& sim)
-    : allocator_(allocator), sim_(sim), ptrs_(trace.slots, nullptr) {}
+Player::Player(const PreparedTrace& trace, DeviceAllocator& allocator, SimBackend& sim, bool other_stream)
+    : allocator_(allocator), sim_(sim), ptrs_(trace.slots, nullptr), other_stream_(other_stream) {
+  if (!other_stream_) {
+    return;
+  }
+  // Note [Late frees on the other stream]
+  std::vector<std::uint64_t> seen;
+  for (const Op& op : trace.ops) {
+    if (op.kind == OpKind::alloc && std::find(seen.begin(), seen.end(), op.stream) == seen.end()) {
+      seen.push_back(op.stream);
+    }
+  }
+  if (seen.size() != 2) {
+    throw ConfigError("--late-frees-on-other-stream: the trace " + trace.name + " allocates on " +
+                      std::to_string(seen.size()) +
+                      " stream(s); it needs exactly two (with more, the stream a late free waited "
+                      "for is not known): leave the flag out for this trace");
+  }
+  streams_ = {seen[0], seen[1]};
+  slot_stream_.assign(trace.slots, 0);
+}
 
 void Player::apply(const Op& op) {
   sim_.advance_clock_to(op.time_us * 1000);  // Note [Simulated time]
@@ -328,13 +347,21 @@ void Player::apply(const Op& op) {
     case OpKind::alloc:
       ptr = nullptr;
       ptr = allocator_.allocate(op.size, op.stream);
+      if (other_stream_) {
+        slot_stream_[op.slot] = op.stream;
+      }
       break;
     case OpKind::free:
       allocator_.deallocate(ptr);
       ptr = nullptr;
       break;
     case OpKind::free_deferred:
-      if (ptr != nullptr) {
+      if (ptr != nullptr && other_stream_) {  // Note [Late frees on the other stream]
+        const std::uint64_t own = slot_stream_[op.slot];
+        allocator_.record_stream(ptr, own == streams_[0] ? streams_[1] : streams_[0]);
+        allocator_.deallocate(ptr);
+        ptr = nullptr;
+      } else if (ptr != nullptr) {
         allocator_.record_stream(ptr, kDeferredStreamBase + op.slot);
         sim_.hold_stream(kDeferredStreamBase + op.slot);
         held_.push_back(op.slot);
@@ -343,7 +370,9 @@ void Player::apply(const Op& op) {
       }
       break;
     case OpKind::free_completed:
-      sim_.release_stream(kDeferredStreamBase + op.slot);
+      if (!other_stream_) {
+        sim_.release_stream(kDeferredStreamBase + op.slot);
+      }
       break;
   }
 }
@@ -424,7 +453,7 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
 #endif
 
   DeviceAllocator& alloc = *allocator;
-  Player player(trace, alloc, sim);
+  Player player(trace, alloc, sim, options.late_frees_on_other_stream);
   const std::size_t n = trace.ops.size();
   const std::size_t sample_every =
       options.plot_points == 0 ? 0 : std::max<std::size_t>(1, n / options.plot_points);
@@ -490,6 +519,7 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
   r.peak_requested = static_cast<std::uint64_t>(s.requested_bytes.peak);
   r.peak_allocated = static_cast<std::uint64_t>(s.allocated_bytes.peak);
   r.parked_waits = s.parked_waits;  // wait_parked_to_grow (Note [Waiting for frees in flight ...])
+  r.parked_reuses = s.parked_reuses;  // reuse_parked (Note [Reusing a parked free on the stream it waits for])
   r.parked_wait_ns = s.parked_wait_ns;
   const BackendCounters& c = sim.counters();
   r.device_reserve_calls = c.reserve_calls + c.physical_creates;

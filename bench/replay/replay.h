@@ -39,12 +39,24 @@
 // against expandable segments where no fixed lag did: offload_train above them (3.099 against
 // 3.061 at 0 ms), the second stream_weights below (1.575 against 1.596);
 // bench/results/defrag_session29_2026-12-05.md.
+//
+// Note [Late frees on the other stream]
+// A snapshot does not say which stream a late free waited for, so the replay gives each one a
+// private stream. A job with two streams has only one candidate, the stream that did not allocate
+// the block: with ReplayOptions::late_frees_on_other_stream (cachealloc-replay
+// --late-frees-on-other-stream, together with --stream-lags) the replay names that stream in
+// record_stream and holds no private one. The free then comes back when an event recorded on the
+// other stream at the free completes, on that stream's pace (Note [Each stream's own lag]: no
+// earlier than its own free_completed), and an allocation on the other stream can see it as what
+// it is: a free parked behind its own stream, which reuse_parked may take at once (Note [Reusing
+// a parked free on the stream it waits for], allocator.h).
 #pragma once
 
 #include <cachealloc/allocator.h>
 #include <cachealloc/sim_backend.h>
 #include <cachealloc/trace/snapshot.h>
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -164,6 +176,7 @@ struct PolicyResult {
   /// wait_parked_to_grow: allocations that waited for frees parked behind other streams, and the
   /// simulated time they waited (Note [Waiting for frees in flight instead of growing]).
   std::uint64_t parked_waits = 0;
+  std::uint64_t parked_reuses = 0;
   std::uint64_t parked_wait_ns = 0;
   std::uint64_t mapped_bytes = 0;
   /// Events recorded and queried on the simulated device (cross-stream frees, defrag's epochs):
@@ -201,6 +214,9 @@ struct ReplayOptions {
   /// Each stream finishes its work as late as the trace's late frees show (trace.stream_lags;
   /// streams without a sample: gpu_lag_us): Note [Each stream's own lag].
   bool stream_lags = false;
+  /// A late free waits for the trace's other stream instead of a private one (traces with two
+  /// streams; needs stream_lags for that stream's pace): Note [Late frees on the other stream].
+  bool late_frees_on_other_stream = false;
   /// What each device call costs the simulated host (SimOptions::costs; the H200's by default).
   SimCallCosts call_costs{};
 };
@@ -216,7 +232,9 @@ std::vector<std::pair<std::string, double>> call_cost_kinds(const SimCallCosts& 
 /// operations or inject faults, so every driver replays frees the same way.
 class Player {
  public:
-  Player(const PreparedTrace& trace, DeviceAllocator& allocator, SimBackend& sim);
+  /// `other_stream`: Note [Late frees on the other stream] (throws ConfigError when the trace
+  /// does not have exactly two streams).
+  Player(const PreparedTrace& trace, DeviceAllocator& allocator, SimBackend& sim, bool other_stream = false);
   /// Applies `op`. A failed allocation (OutOfMemory, DeviceError) leaves its slot empty and
   /// propagates; later frees of that slot are no-ops.
   void apply(const Op& op);
@@ -229,6 +247,10 @@ class Player {
   SimBackend& sim_;
   std::vector<void*> ptrs_;
   std::vector<std::uint32_t> held_;  // slots whose deferred free has not completed
+  // Note [Late frees on the other stream]: the two streams, and each live slot's stream.
+  bool other_stream_ = false;
+  std::array<std::uint64_t, 2> streams_{};
+  std::vector<std::uint64_t> slot_stream_;
 };
 
 /// Replays `trace` on a fresh simulated device with `policy` configured by `conf`.

@@ -1,7 +1,8 @@
 // test_randomized.cpp: fixed-seed random operation sequences on every policy, with the policy's
 // and the front end's invariants checked after every step, plus a shadow model that checks
 // what no invariant inside the allocator can see: live blocks never overlap, a block is never
-// handed to stream T while a stream other than T may still use it, and every live block of a
+// handed to stream T while a stream other than T may still use it (unless T was made to wait for
+// that stream's work on the device: reuse_parked), and every live block of a
 // virtual-memory policy lies on mapped pages.
 #include "../support.h"
 
@@ -99,6 +100,9 @@ void run_sequence(const std::string& policy, std::uint64_t seed, std::uint64_t o
             if (sim->stream_completed(stream) > iv.events_before) {
               continue;  // an event recorded on `stream` after the free has completed
             }
+            if (sim->stream_waits_for(s, stream, iv.events_before)) {
+              continue;  // s's work waits on the device for `stream`'s work up to after the free
+            }
             if (overlaps(iv, addr, info->block_size)) {
               FAIL("policy " << policy << " seed " << seed << " step " << step
                              << ": block handed to stream " << s
@@ -158,8 +162,10 @@ void run_sequence(const std::string& policy, std::uint64_t seed, std::uint64_t o
     CHECK(a->stats().to_map().at("defrag.placed_top_at_limit") > 0);
   }
   if (conf.find("reuse_parked:True") != std::string::npos) {
-    // Note [Reusing a parked free on the stream it waits for]: the sequence reused some.
+    // Note [Reusing a parked free on the stream it waits for]: the sequence reused some, some of
+    // them by making the allocating stream wait for another.
     CHECK(a->stats().parked_reuses > 0);
+    CHECK(a->stats().parked_reuse_waits > 0);
   }
   if (conf.find("move_pending:True") != std::string::npos) {
     // The sequence did what it is here for: pages left holes their stream may still use.

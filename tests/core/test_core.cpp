@@ -563,11 +563,14 @@ TEST_CASE("front end: share_events False records a parked free's events at the f
 namespace {
 // Note [Reusing a parked free on the stream it waits for]: stream 1 allocates, stream 2 uses the
 // block (record_stream) and is busy; an allocation of the same size on stream 2 takes the parked
-// block at once, one on stream 1 does not; the reused block's free waits for stream 2.
+// block at once, one on stream 1 does not; the reused block's free waits for stream 2. When the
+// block's own stream (or a third stream that used it) is busy too, stream 2 takes it only by
+// waiting for that stream on the device (`waits`: the simulated device queues stream waits).
 template <typename Policy>
-void check_reuse_on_waited_stream(std::unique_ptr<SimBackend> backend, const std::string& conf,
-                                  bool count_events) {
+void check_reuse_on_waited_stream(SimOptions o, const std::string& conf, bool count_events) {
+  auto backend = std::make_unique<SimBackend>(o);
   SimBackend* sim = backend.get();
+  const bool waits = o.stream_waits;
   Config config = Config::parse("reuse_parked:True" + conf);
   CachingAllocator<Policy> a(std::move(backend), config);
   a.deallocate(a.allocate(4096, 1));
@@ -589,6 +592,7 @@ void check_reuse_on_waited_stream(std::unique_ptr<SimBackend> backend, const std
   CHECK(y == x);
   CHECK(a.pending_frees() == 0);
   CHECK(a.stats().parked_reuses == 1);
+  CHECK(a.stats().parked_reuse_waits == 0);  // stream 1 was done with it
   CHECK(a.find(y)->requested == kMiB - 1000);
 
   // Its free waits for stream 2 (still busy): stream 1 must not get it back meanwhile.
@@ -602,33 +606,58 @@ void check_reuse_on_waited_stream(std::unique_ptr<SimBackend> backend, const std
   a.check_invariants();
   CHECK(a.pending_frees() == 0);
 
-  // The block's own stream still busy: not reusable on stream 2.
+  // The block's own stream still busy.
   sim->hold_stream(1);
   sim->hold_stream(2);
   void* w = a.allocate(kMiB, 1);
+  const std::uint64_t ones = sim->stream_recorded(1);
   a.record_stream(w, 2);
   a.deallocate(w);
   void* v = a.allocate(kMiB, 2);
   a.check_invariants();
-  CHECK(v != w);
-  CHECK(a.stats().parked_reuses == 1);
-  sim->release_stream(1);  // now its own stream is done too
-  void* w2 = a.allocate(kMiB, 2);
-  a.check_invariants();
-  CHECK(w2 == w);
-  // A third stream used it too and is busy: not reusable on stream 2 until it is done.
+  void* w2 = nullptr;
+  if (waits) {  // taken, with stream 2 waiting for stream 1's work at the free
+    CHECK(v == w);
+    CHECK(a.stats().parked_reuse_waits == 1);
+    CHECK(sim->stream_waits_for(2, 1, ones));
+    sim->release_stream(2);
+    const EventId later = sim->record_event(2);
+    CHECK_FALSE(sim->query_event(later));  // stream 2's new work runs after stream 1's
+    sim->release_stream(1);
+    CHECK(sim->query_event(later));
+    sim->destroy_event(later);
+    sim->hold_stream(2);
+    w2 = a.allocate(kMiB, 2);
+  } else {  // not until stream 1 is done
+    CHECK(v != w);
+    CHECK(a.stats().parked_reuses == 1);
+    sim->release_stream(1);
+    w2 = a.allocate(kMiB, 2);
+    a.check_invariants();
+    CHECK(w2 == w);
+  }
+  // A third stream used it too and is busy.
   sim->hold_stream(3);
   void* u = a.allocate(3 * kMiB, 1);
   a.record_stream(u, 2);
   a.record_stream(u, 3);
   a.deallocate(u);
   void* t = a.allocate(3 * kMiB, 2);
-  CHECK(t != u);
-  sim->release_stream(3);
-  void* r = a.allocate(3 * kMiB, 2);
+  void* r = nullptr;
+  if (waits) {
+    CHECK(t == u);
+    CHECK(sim->stream_waits_for(2, 3, 0));
+    sim->release_stream(3);
+    r = a.allocate(3 * kMiB, 2);
+  } else {
+    CHECK(t != u);
+    sim->release_stream(3);
+    r = a.allocate(3 * kMiB, 2);
+    CHECK(r == u);
+  }
   a.check_invariants();
-  CHECK(r == u);
   CHECK(a.stats().parked_reuses == 3);
+  CHECK(a.stats().parked_reuse_waits == (waits ? 2U : 0U));
 
   for (void* p : {other_size, on_own_stream, z, v, w2, t, r}) {
     a.deallocate(p);
@@ -637,7 +666,7 @@ void check_reuse_on_waited_stream(std::unique_ptr<SimBackend> backend, const std
   a.empty_cache();  // waits for the parked frees, drops the reused ones' events
   a.check_invariants();
   CHECK(a.pending_frees() == 0);
-  if (count_events) {  // not size_class: it keeps an event per stream pool of its own (its epochs) keeps an event per stream pool of its own (its epochs)
+  if (count_events) {  // not size_class: it keeps an event per stream pool of its own (its epochs)
     CHECK(sim->live_events() == policy_events);  // every event of the front end destroyed
   }
   CHECK(a.stats().active_bytes.current == 0);
@@ -648,23 +677,23 @@ void check_reuse_on_waited_stream(std::unique_ptr<SimBackend> backend, const std
 TEST_CASE("front end: reuse_parked gives a parked free to the stream it waits for", "[core]") {
   SimOptions o;
   o.auto_complete_events = true;  // streams not held are done at once
+  o.capacity = std::size_t{1} << 34;
+  o.stream_waits = GENERATE(true, false);
+  CAPTURE(o.stream_waits);
   SECTION("size_class") {
-    check_reuse_on_waited_stream<SizeClassPolicy>(std::make_unique<SimBackend>(o), "", false);
+    check_reuse_on_waited_stream<SizeClassPolicy>(o, "", false);
   }
   SECTION("size_class, events recorded at the free") {
-    check_reuse_on_waited_stream<SizeClassPolicy>(std::make_unique<SimBackend>(o), ",share_events:False",
-                                                  false);
+    check_reuse_on_waited_stream<SizeClassPolicy>(o, ",share_events:False", false);
   }
   SECTION("defrag") {
-    o.capacity = std::size_t{1} << 34;
-    check_reuse_on_waited_stream<DefragPolicy>(std::make_unique<SimBackend>(o), "", true);
+    check_reuse_on_waited_stream<DefragPolicy>(o, "", true);
   }
   SECTION("defrag, events recorded at the free") {
-    o.capacity = std::size_t{1} << 34;
-    check_reuse_on_waited_stream<DefragPolicy>(std::make_unique<SimBackend>(o), ",share_events:False", true);
+    check_reuse_on_waited_stream<DefragPolicy>(o, ",share_events:False", true);
   }
   SECTION("off by default") {
-    auto backend = std::make_unique<SimBackend>(SimOptions{});
+    auto backend = std::make_unique<SimBackend>(o);
     SimBackend* sim = backend.get();
     Config config;
     CachingAllocator<SizeClassPolicy> a(std::move(backend), config);

@@ -184,6 +184,15 @@ EventId CudaEventPool::record_event(StreamId stream) {
   return to_id(ev);
 }
 
+bool CudaEventPool::stream_wait(StreamId stream, EventId event) {
+  if (is_fence(event)) {
+    return false;
+  }
+  CudaDeviceGuard guard(device_);
+  CACHEALLOC_CUDA_CHECK(cudaStreamWaitEvent(to_cuda_stream(stream), to_event(event), 0));
+  return true;
+}
+
 bool CudaEventPool::query(EventId event) {
   if (is_fence(event)) {
     return fence_reached(event);

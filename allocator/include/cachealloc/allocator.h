@@ -96,26 +96,27 @@
 // Note [Reusing a parked free on the stream it waits for]
 // A parked free waits for the other streams that used the block; but an allocation on one of
 // those streams, S, is ordered after all of S's work queued before the free by the stream
-// itself, so it may take the block as soon as every other stream is done with it: the streams
-// other than S that used it, and the block's own stream (its event at the free). That is the
-// reuse a stream-ordered pool allows within one stream (cudaMallocAsync), applied to
-// record_stream's frees. The job it is for offloads activations: forward frees each one once its
-// copy to the host is queued on the copy stream, and backward allocates the copy back on that
-// same stream, same size, while the copy stream may still be draining forward's copies; then
-// main allocates the gradient of the same shape while the block just copied back waits for main.
-// Without this, those requests grow memory (or move pages between the streams' ranges) while
-// the parked blocks are memory in flight: over the offload recordings (`--stream-lags` frees
-// waiting for the other stream), 592-878 such requests per 13 steps, peak allocated + parked
-// 9.3-14.8 -> 7.0-9.1 GB when each takes a parked free of its size (bench/results/
-// defrag_session40_2026-12-06.md). With `reuse_parked:True` (CACHEALLOC_CONF) allocate() first
+// itself, so it may take the block once every other stream is done with it: the streams other
+// than S that used it, and the block's own stream (its event at the free). The ones not done yet
+// S can wait for on the device (cudaStreamWaitEvent: the host does not block), as a
+// stream-ordered pool does when it reuses memory across streams (cudaMallocAsync's internal
+// dependencies). The job this is for offloads activations: forward frees each one once its copy
+// to the host is queued on the copy stream, and backward allocates the copy back on that same
+// stream, same size, while the copy stream may still be draining forward's copies; then main
+// allocates the gradient of the same shape while the block just copied back waits for main.
+// Without this those requests grow memory (or move pages between the streams' ranges) while the
+// parked blocks are memory in flight. With `reuse_parked:True` (CACHEALLOC_CONF) allocate() first
 // looks among the frees parked behind its stream (`StreamWaits::sizes`, by block size: sizes in
-// [request, request + 1/32]) for one whose other events completed (queried, as the poll does);
-// the block becomes a live allocation again, owned by its old stream as the policy knows it, with
-// S as a stream that used it (so its next free waits for S). The parked free stays in pending_
-// as `reused`, holding no bytes, until its queued events completed (the poll releases them; the
-// flushes release them without waiting): the queues need no change. A policy never sees any of
-// it: to the policy the block stayed allocated. No event is waited for, and none is recorded on
-// S on the allocation's behalf: the block is S's only after all other work on it is done.
+// [request, request + 1/32], at most four asked) for one whose other events completed or can be
+// waited for (stream_wait_event; a backend that cannot, or a capture underway, needs them
+// complete); the block becomes a live allocation again, owned by its old stream as the policy
+// knows it, with S as a stream that used it (so its next free waits for S). The parked free stays
+// in pending_ as `reused`, holding no bytes, until its queued events completed (the poll releases
+// them; the flushes release them without waiting): the queues need no change. A policy never
+// sees any of it: to the policy the block stayed allocated. In the replays of the offload
+// recordings with each late free waiting for the other stream (cachealloc-replay
+// --late-frees-on-other-stream), nine in ten candidates were refused for their own stream's event
+// until S could wait for it (bench/results/defrag_session40_2026-12-06.md).
 //
 // Note [Waiting for frees in flight instead of growing]
 // Parked frees are memory in flight: a job that offloads activations to the host frees each one
@@ -607,7 +608,7 @@ class CachingAllocator final : public DeviceAllocator {
     active_freed_bytes_ = active_freed_count_ = 0;
     stats_.num_alloc_retries = stats_.num_ooms = stats_.num_sync_all_streams = 0;
     stats_.parked_waits = stats_.parked_wait_ns = 0;
-    stats_.parked_reuses = stats_.parked_reuse_bytes = 0;
+    stats_.parked_reuses = stats_.parked_reuse_bytes = stats_.parked_reuse_waits = 0;
   }
 
   void check_invariants() const override {
@@ -1032,18 +1033,47 @@ class CachingAllocator final : public DeviceAllocator {
     return nullptr;
   }
 
-  /// Whether every stream but `stream` that may touch the parked block is done with it: the other
-  /// streams that used it and its own stream (the event at its free).
-  bool reusable_on(Parked& p, StreamId stream) noexcept {
+  /// Whether `stream` may take the parked block: every other stream that may touch it (the other
+  /// streams that used it, and its own stream: the event at its free) is done with it, or
+  /// `stream` was made to wait for the events of those that are not (stream_wait_event).
+  bool reusable_on(Parked& p, StreamId stream) {
     if (p.gone || p.needs_events || p.unrecorded || p.own_event == 0 || p.stream == stream) {
       return false;
     }
+    std::array<EventId, 4> busy{};
+    std::size_t n = 0;
+    auto note = [&](EventId ev) {
+      if (event_done(ev)) {
+        return true;
+      }
+      if (n == busy.size()) {
+        return false;
+      }
+      busy[n++] = ev;
+      return true;
+    };
     for (std::size_t i = 0; i < p.events.size(); ++i) {
-      if (p.streams[i] != stream && p.events[i] != 0 && !event_done(p.events[i])) {
+      if (p.streams[i] != stream && p.events[i] != 0 && !note(p.events[i])) {
         return false;
       }
     }
-    return event_done(p.own_event);
+    if (!note(p.own_event)) {
+      return false;
+    }
+    for (std::size_t i = 0; i < n; ++i) {
+      bool queued = false;
+      try {
+        queued = backend_->stream_wait_event(stream, busy[i]);
+      } catch (...) {  // NOLINT(bugprone-empty-catch): not reused; waits queued so far only order more
+      }
+      if (!queued) {
+        return false;
+      }
+    }
+    if (n != 0) {
+      ++stats_.parked_reuse_waits;
+    }
+    return true;
   }
 
   /// The parked free `p` becomes a live allocation of `bytes` on `stream` (reusable_on said so).

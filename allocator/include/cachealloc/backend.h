@@ -189,6 +189,10 @@ class DeviceBackend {
   virtual void synchronize_event(EventId event) = 0;
   /// Returns the event to the pool.
   virtual void destroy_event(EventId event) noexcept = 0;
+  /// Makes the work queued on `stream` from now on wait for `event` (cudaStreamWaitEvent) without
+  /// blocking the host; the event may be destroyed right after. False when this backend cannot
+  /// (the caller then waits for the event to complete instead). Throws DeviceError.
+  [[nodiscard]] virtual bool stream_wait_event(StreamId /*stream*/, EventId /*event*/) { return false; }
 
   /// Monotonic time in nanoseconds, for policies that budget the time their device calls take
   /// (defrag: Note [A time budget for moves]). Real backends: std::chrono::steady_clock; the

@@ -97,6 +97,9 @@ struct SimOptions {
   std::size_t capacity = std::size_t{143771} * kMiB;  ///< an H200's cudaMemGetInfo total
   std::size_t granularity = 2 * kMiB;                 ///< VMM page size
   bool auto_complete_events = false;  ///< Note [Simulated events]
+  /// stream_wait_event() queues waits (Note [Simulated stream waits]); false: it answers false,
+  /// as a device that cannot (tests of the callers' other path).
+  bool stream_waits = true;
   /// Advance clock_ns() by an H200's median cost of each device call (Note [Simulated time]).
   bool model_call_costs = false;
   SimCallCosts costs{};  ///< what model_call_costs charges
@@ -117,6 +120,14 @@ struct SimOptions {
   bool unmap_after_streams = true;
 };
 
+// Note [Simulated stream waits]
+// stream_wait_event(S, E) is cudaStreamWaitEvent: S's work queued from then on runs after the work
+// E fences. The simulator keeps (E, S's event count at the call) for S; an event recorded on S
+// later completes only when its own condition holds and E completed too (recursively: E's stream
+// may wait as well); a synchronize on it waits for E first. E stays in the event table, past its
+// destroy_event if need be (uncounted by live_events()), until it completed and the wait was
+// dropped: a stream's completed waits are dropped at its next wait or query. release_stream keeps a
+// released stream's waits for all its later events (its sequence numbers restart).
 class SimBackend final : public DeviceBackend, private VirtualMemory {
  public:
   explicit SimBackend(SimOptions options = {});
@@ -131,6 +142,9 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
   [[nodiscard]] bool query_event(EventId event) override;
   void synchronize_event(EventId event) override;
   void destroy_event(EventId event) noexcept override;
+  /// Note [Simulated stream waits]: the events recorded on `stream` from now on complete only
+  /// once `event` has too.
+  [[nodiscard]] bool stream_wait_event(StreamId stream, EventId event) override;
 
   [[nodiscard]] VirtualMemory* virtual_memory() noexcept override { return this; }
   /// The simulated stream-ordered pool (sim_stream_pool.h); it reserves through virtual_memory().
@@ -154,7 +168,12 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
   [[nodiscard]] std::uint64_t charged_ns() const noexcept { return charged_ns_; }
   [[nodiscard]] const SimCallCosts& call_costs() const noexcept { return options_.costs; }
   [[nodiscard]] std::size_t pending_events() const;
-  [[nodiscard]] std::size_t live_events() const noexcept { return events_.size(); }
+  /// Events recorded and not destroyed (an event a stream still waits for is kept past its
+  /// destruction, uncounted: Note [Simulated stream waits]).
+  [[nodiscard]] std::size_t live_events() const noexcept { return events_.size() - waited_destroyed_; }
+  /// Whether `stream` waits (stream_wait_event) for an event of `other` recorded after the first
+  /// `after` events of `other`, and not yet complete: its later work follows that work of `other`.
+  [[nodiscard]] bool stream_waits_for(StreamId stream, StreamId other, std::uint64_t after) const;
   /// Events recorded on `stream` so far, and how many of them completed (in stream order).
   [[nodiscard]] std::uint64_t stream_recorded(StreamId stream) const;
   [[nodiscard]] std::uint64_t stream_completed(StreamId stream) const;
@@ -241,7 +260,16 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
     std::uint64_t sequence;  // per-stream order
     bool done;
     std::uint64_t ready_ns = 0;  // event_lag_ns: complete once the clock reaches this (0: never)
+    bool destroyed = false;      // destroyed while a stream still waits for it
   };
+  /// Note [Simulated stream waits]: events of the stream with a sequence above `after` also
+  /// wait for `event`.
+  struct StreamWait {
+    EventId event;
+    std::uint64_t after;
+  };
+  [[nodiscard]] bool waits_done(const Event& e) const;
+  void prune_waits(StreamId stream);
   /// The host waits for `e` (the clock moves to when the simulated GPU gets there), as
   /// synchronize_event, without counting a call.
   void wait_until_done(Event& e);
@@ -286,6 +314,9 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
   std::unordered_map<StreamId, std::uint64_t> stream_completed_upto_;  // completed sequence per stream
   std::unordered_map<StreamId, std::uint64_t> stream_recorded_;        // last sequence per stream
   std::unordered_set<StreamId> held_;
+  std::unordered_map<StreamId, std::vector<StreamWait>> stream_waits_;  // Note [Simulated stream waits]
+  std::unordered_map<EventId, std::uint32_t> waiters_;  // how many StreamWait name each event
+  std::size_t waited_destroyed_ = 0;  // events kept past destroy_event for a waiting stream
   EventId next_event_ = 1;
   // scripted reservation addresses
   std::vector<std::pair<std::size_t, std::uintptr_t>> script_;

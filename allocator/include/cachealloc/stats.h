@@ -82,6 +82,9 @@ struct Stats {
   /// frees an allocation on a stream they waited for took at once, and their bytes.
   std::uint64_t parked_reuses = 0;
   std::uint64_t parked_reuse_bytes = 0;
+  /// Of those, reuses that made the allocating stream wait for another stream's event on the
+  /// device (stream_wait_event) instead of finding it complete.
+  std::uint64_t parked_reuse_waits = 0;
   std::uint64_t alloc_ns = 0;           ///< time inside allocate() when timing is on
   std::uint64_t free_ns = 0;            ///< time inside deallocate() when timing is on
   std::uint64_t alloc_calls = 0;

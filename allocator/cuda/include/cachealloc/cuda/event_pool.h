@@ -67,6 +67,8 @@ class CudaEventPool {
   [[nodiscard]] EventId record_event(StreamId stream);
   /// True when the work before the event finished (cudaEventQuery). Throws DeviceError.
   [[nodiscard]] bool query(EventId event);
+  /// cudaStreamWaitEvent(stream, event); false for a host fence (no stream wait for those here).
+  [[nodiscard]] bool stream_wait(StreamId stream, EventId event);
   /// Blocks until the event completed (cudaEventSynchronize). Throws DeviceError.
   void synchronize(EventId event);
   /// Makes the event available again. The event need not have completed: re-recording an
