@@ -113,10 +113,10 @@
 // knows it, with S as a stream that used it (so its next free waits for S). The parked free stays
 // in pending_ as `reused`, holding no bytes, until its queued events completed (the poll releases
 // them; the flushes release them without waiting): the queues need no change. A policy never
-// sees any of it: to the policy the block stayed allocated. In the replays of the offload
-// recordings with each late free waiting for the other stream (cachealloc-replay
-// --late-frees-on-other-stream), nine in ten candidates were refused for their own stream's event
-// until S could wait for it (bench/results/defrag_session40_2026-12-06.md).
+// sees any of it: to the policy the block stayed allocated. Replayed with each late free waiting
+// for the other stream (cachealloc-replay --late-frees-on-other-stream), two offload recordings
+// refused 89% and 94% of the candidates for their own stream's event while S could not wait for
+// it (bench/results/defrag_session40_2026-12-06.md).
 //
 // Note [Waiting for frees in flight instead of growing]
 // Parked frees are memory in flight: a job that offloads activations to the host frees each one
