@@ -692,11 +692,12 @@ TEST_CASE("front end: reuse_parked gives a parked free to the stream it waits fo
   SECTION("defrag, events recorded at the free") {
     check_reuse_on_waited_stream<DefragPolicy>(o, ",share_events:False", true);
   }
-  SECTION("off by default") {
+  SECTION("reuse_parked False turns it off") {
     auto backend = std::make_unique<SimBackend>(o);
     SimBackend* sim = backend.get();
-    Config config;
+    Config config = Config::parse("reuse_parked:False");
     CachingAllocator<SizeClassPolicy> a(std::move(backend), config);
+    config.finish("test", {});  // the front end took the key
     a.deallocate(a.allocate(4096, 1));
     sim->hold_stream(2);
     void* x = a.allocate(kMiB, 1);

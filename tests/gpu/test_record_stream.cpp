@@ -166,9 +166,11 @@ TEST_CASE("reuse_parked hands a parked block to the stream it waits for, in that
 TEST_CASE("reuse_parked makes the stream wait on the device for the block's own stream",
           "[gpu][record_stream]") {
   // Note [Reusing a parked free on the stream it waits for]: A's own stream s1 runs a ~50 ms
-  // kernel on A; A is also used on s2 (record_stream) and freed. An allocation of A's size on s2
-  // takes A while s1's kernel still runs, by making s2 wait for s1's event (cudaStreamWaitEvent):
-  // s2's fill of A (pattern 3) runs after s1's kernel, which therefore sees no change.
+  // kernel on A; A is also used on s2 (record_stream), which is busy with a ~50 ms kernel of its
+  // own (on another block, C), and freed: parked behind s2. An allocation of A's size on s2 takes
+  // A while s1's kernel still runs, by making s2 wait for s1's event (cudaStreamWaitEvent): s2's
+  // fill of A (pattern 3) runs after s1's kernel, which therefore sees no change. (With s2 idle
+  // the free would come back through the poll instead, to s1's pool.)
   const std::string policy = GENERATE(from_range(gpu_policy_names()));
   CAPTURE(policy);
   auto alloc = make_gpu_allocator(policy, "reuse_parked:True");
@@ -176,14 +178,17 @@ TEST_CASE("reuse_parked makes the stream wait on the device for the block's own 
   TestStream s2;
   constexpr std::uint64_t kSeed = 80;
   constexpr std::size_t bytes = 8 * kMiB;
+  void* c = alloc->allocate(bytes / 2, s2.id());
+  const HeldOnS2 busy(c, bytes / 2, kSeed + 1, s2, s2);  // keeps s2 busy: A stays parked
   void* a = alloc->allocate(bytes, s1.id());
   const HeldOnS2 held(a, bytes, kSeed, s1, s1);  // the fill and the long kernel, both on s1
   alloc->record_stream(a, s2.id());
   alloc->deallocate(a);
   void* b = alloc->allocate(bytes, s2.id());
-  const bool raced = cudaStreamQuery(s1.get()) == cudaErrorNotReady;
+  const bool raced = cudaStreamQuery(s1.get()) == cudaErrorNotReady &&
+                     cudaStreamQuery(s2.get()) == cudaErrorNotReady;
   (void)cudaGetLastError();
-  if (raced) {  // s1's event was pending: only a device-side wait lets s2 have A now
+  if (raced) {  // both streams busy: A was parked and only a device-side wait lets s2 have it
     CHECK(b == a);
     CHECK(alloc->stats().parked_reuses == 1);
     CHECK(alloc->stats().parked_reuse_waits == 1);
@@ -198,7 +203,9 @@ TEST_CASE("reuse_parked makes the stream wait on the device for the block's own 
   CHECK(held.mismatches.read() == 0);  // s2's fill did not run under s1's kernel
   CHECK(held.checksum.read() == expected_checksum(bytes, 2, kSeed));
   CHECK(filled_after.read() == 0);
+  CHECK(busy.mismatches.read() == 0);
   alloc->deallocate(b);
+  alloc->deallocate(c);
   alloc->empty_cache();
   alloc->check_invariants();
   CHECK(alloc->stats().allocated_bytes.current == 0);
