@@ -336,7 +336,7 @@ TEST_CASE("front end: the retry chain steps", "[core][oom]") {
 TEST_CASE("front end: one event query per busy stream when polling parked frees", "[core]") {
   auto backend = std::make_unique<SimBackend>(SimOptions{});
   SimBackend* sim = backend.get();
-  Config config;
+  Config config = Config::parse("reuse_parked:False");  // no event on the frees' own stream
   CachingAllocator<SizeClassPolicy> a(std::move(backend), config);
   void* warm = a.allocate(4096, 1);  // the small segment exists: the polls below reserve nothing
   a.deallocate(warm);
@@ -524,7 +524,7 @@ void check_burst_shares_events(std::unique_ptr<SimBackend> backend, Config& conf
 
 TEST_CASE("front end: a burst of parked frees records one event per stream at the next call", "[core]") {
   SECTION("size_class: the other streams' events") {
-    Config config;
+    Config config = Config::parse("reuse_parked:False");  // reuse_parked records the own stream's too
     check_burst_shares_events<SizeClassPolicy>(std::make_unique<SimBackend>(SimOptions{}), config, false);
   }
   SECTION("defrag: and one on the frees' own stream (Note [Frees that come back settled])") {
@@ -538,7 +538,7 @@ TEST_CASE("front end: a burst of parked frees records one event per stream at th
 TEST_CASE("front end: share_events False records a parked free's events at the free", "[core]") {
   auto backend = std::make_unique<SimBackend>(SimOptions{});
   SimBackend* sim = backend.get();
-  Config config = Config::parse("share_events:False");
+  Config config = Config::parse("share_events:False,reuse_parked:False");
   CachingAllocator<SizeClassPolicy> a(std::move(backend), config);
   config.finish("test", {});  // the front end took the key
   a.deallocate(a.allocate(4096, 1));
@@ -717,7 +717,7 @@ TEST_CASE("front end: event_poll_interval polls parked frees at every N-th alloc
           "[core]") {
   auto backend = std::make_unique<SimBackend>(SimOptions{});
   SimBackend* sim = backend.get();
-  Config config = Config::parse("event_poll_interval:4");
+  Config config = Config::parse("event_poll_interval:4,reuse_parked:False");
   CachingAllocator<SizeClassPolicy> a(std::move(backend), config);
   config.finish("test", {});  // the front end took the key
   void* warm = a.allocate(4096, 1);

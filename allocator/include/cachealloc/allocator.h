@@ -684,7 +684,8 @@ class CachingAllocator final : public DeviceAllocator {
     if (e == nullptr) {
       return std::nullopt;
     }
-    return AllocationInfo{e->block.ptr, e->requested, e->block.size, e->stream};
+    const StreamId stream = e->reused ? e->other_streams->front() : e->stream;
+    return AllocationInfo{e->block.ptr, e->requested, e->block.size, stream};
   }
 
   [[nodiscard]] std::vector<SegmentView> segments() const override {
@@ -788,6 +789,10 @@ class CachingAllocator final : public DeviceAllocator {
     /// Null until record_stream names another stream: one pointer keeps the map's slots small
     /// (a free probes one at random among all live blocks).
     std::unique_ptr<std::vector<StreamId>> other_streams;
+    /// A parked free taken again on another stream (Note [Reusing a parked free on the stream it
+    /// waits for]): `stream` is the policy's (the block's old stream), the allocation's is
+    /// (*other_streams)[0], which find() reports.
+    bool reused = false;
   };
   struct Parked {
     Block block;
@@ -1089,7 +1094,7 @@ class CachingAllocator final : public DeviceAllocator {
     const auto key = reinterpret_cast<std::uintptr_t>(p.block.ptr);
     try {
       auto used = std::make_unique<std::vector<StreamId>>(1, stream);
-      map_.insert(key, Entry{p.block, bytes, p.stream, std::move(used)});
+      map_.insert(key, Entry{p.block, bytes, p.stream, std::move(used), true});
     } catch (...) {  // bad_alloc: the policy serves this allocation instead
       return nullptr;
     }
@@ -1635,7 +1640,7 @@ class CachingAllocator final : public DeviceAllocator {
   /// A block handed out: its pointer-map entry and the tallies (Note [Cheap statistics on the
   /// fast path]). Caller holds mutex_.
   void account_allocation(const Block& block, std::size_t bytes, StreamId stream) {
-    map_.insert(reinterpret_cast<std::uintptr_t>(block.ptr), Entry{block, bytes, stream, nullptr});
+    map_.insert(reinterpret_cast<std::uintptr_t>(block.ptr), Entry{block, bytes, stream, nullptr, false});
     allocated_.increase(static_cast<std::int64_t>(block.size));
     requested_.increase(static_cast<std::int64_t>(bytes));
     allocation_.increase(1);
