@@ -386,7 +386,10 @@ def memory_stats(device: DeviceLike = None) -> dict[str, int]:
     ``background_unmap_ns`` and ``background_unmap_wait_ns`` (unmaps run by the VMM backend's own
     thread, its time in them, and the time allocations waited for them), ``parked_waits`` and
     ``parked_wait_ns`` (allocations that waited for frees parked behind other streams instead of
-    growing, and the time they waited: ``wait_parked_to_grow``), ``allocator_ns`` (time inside the allocator's
+    growing, and the time they waited: ``wait_parked_to_grow``), ``parked_reuses``,
+    ``parked_reuse_bytes`` and ``parked_reuse_waits`` (frees parked behind a stream that an
+    allocation on that stream took at once, their bytes, and how many of them made the stream wait
+    for another on the device: ``reuse_parked``), ``allocator_ns`` (time inside the allocator's
     alloc and free, with ``alloc_ns`` and ``free_ns``), ... Without cachealloc: PyTorch's own.
     """
     if not is_enabled() or _full:
