@@ -244,6 +244,6 @@ TEST_CASE("randomized operation sequences keep every invariant: parked frees reu
   const std::uint64_t total = operations_per_policy();
   for (std::uint64_t seed = 1; seed <= 2; ++seed) {
     INFO("policy " << policy << " seed " << seed);
-    run_sequence(policy, seed, total / 8, "reuse_parked:True");
+    run_sequence(policy, seed, total / 8, "reuse_parked:True,reuse_parked_waits:True");
   }
 }

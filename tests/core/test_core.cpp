@@ -564,13 +564,13 @@ namespace {
 // Note [Reusing a parked free on the stream it waits for]: stream 1 allocates, stream 2 uses the
 // block (record_stream) and is busy; an allocation of the same size on stream 2 takes the parked
 // block at once, one on stream 1 does not; the reused block's free waits for stream 2. When the
-// block's own stream (or a third stream that used it) is busy too, stream 2 takes it only by
-// waiting for that stream on the device (`waits`: the simulated device queues stream waits).
+// block's own stream (or a third stream that used it) is busy too, stream 2 takes it only with
+// reuse_parked_waits, by waiting for that stream on the device (`waits`).
 template <typename Policy>
 void check_reuse_on_waited_stream(SimOptions o, const std::string& conf, bool count_events) {
   auto backend = std::make_unique<SimBackend>(o);
   SimBackend* sim = backend.get();
-  const bool waits = o.stream_waits;
+  const bool waits = conf.find("reuse_parked_waits:True") != std::string::npos && o.stream_waits;
   Config config = Config::parse("reuse_parked:True" + conf);
   CachingAllocator<Policy> a(std::move(backend), config);
   a.deallocate(a.allocate(4096, 1));
@@ -678,19 +678,22 @@ TEST_CASE("front end: reuse_parked gives a parked free to the stream it waits fo
   SimOptions o;
   o.auto_complete_events = true;  // streams not held are done at once
   o.capacity = std::size_t{1} << 34;
-  o.stream_waits = GENERATE(true, false);
-  CAPTURE(o.stream_waits);
+  // With reuse_parked_waits; without it; and with it on a device that cannot wait (as without).
+  const int mode = GENERATE(0, 1, 2);
+  CAPTURE(mode);
+  o.stream_waits = mode != 2;
+  const std::string waits = mode == 1 ? "" : ",reuse_parked_waits:True";
   SECTION("size_class") {
-    check_reuse_on_waited_stream<SizeClassPolicy>(o, "", false);
+    check_reuse_on_waited_stream<SizeClassPolicy>(o, waits, false);
   }
   SECTION("size_class, events recorded at the free") {
-    check_reuse_on_waited_stream<SizeClassPolicy>(o, ",share_events:False", false);
+    check_reuse_on_waited_stream<SizeClassPolicy>(o, waits + ",share_events:False", false);
   }
   SECTION("defrag") {
-    check_reuse_on_waited_stream<DefragPolicy>(o, "", true);
+    check_reuse_on_waited_stream<DefragPolicy>(o, waits, true);
   }
   SECTION("defrag, events recorded at the free") {
-    check_reuse_on_waited_stream<DefragPolicy>(o, ",share_events:False", true);
+    check_reuse_on_waited_stream<DefragPolicy>(o, waits + ",share_events:False", true);
   }
   SECTION("reuse_parked False turns it off") {
     auto backend = std::make_unique<SimBackend>(o);

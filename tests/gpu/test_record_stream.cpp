@@ -163,7 +163,7 @@ TEST_CASE("reuse_parked hands a parked block to the stream it waits for, in that
   CHECK(st.active_bytes.current == 0);
 }
 
-TEST_CASE("reuse_parked makes the stream wait on the device for the block's own stream",
+TEST_CASE("reuse_parked_waits makes the stream wait on the device for the block's own stream",
           "[gpu][record_stream]") {
   // Note [Reusing a parked free on the stream it waits for]: A's own stream s1 runs a ~50 ms
   // kernel on A; A is also used on s2 (record_stream), which is busy with a ~50 ms kernel of its
@@ -173,7 +173,7 @@ TEST_CASE("reuse_parked makes the stream wait on the device for the block's own 
   // the free would come back through the poll instead, to s1's pool.)
   const std::string policy = GENERATE(from_range(gpu_policy_names()));
   CAPTURE(policy);
-  auto alloc = make_gpu_allocator(policy, "reuse_parked:True");
+  auto alloc = make_gpu_allocator(policy, "reuse_parked_waits:True");
   TestStream s1;
   TestStream s2;
   constexpr std::uint64_t kSeed = 80;
