@@ -1023,13 +1023,7 @@ class CachingAllocator final : public DeviceAllocator {
     if (waits_stale_) {
       return nullptr;  // the queues wait for a rebuild (a flush): no index to search
     }
-    StreamWaits* w = nullptr;
-    for (StreamWaits& x : waits_) {
-      if (x.stream == stream) {
-        w = &x;
-        break;
-      }
-    }
+    StreamWaits* w = find_waits(stream);
     if (w == nullptr) {
       return nullptr;
     }
@@ -1102,8 +1096,7 @@ class CachingAllocator final : public DeviceAllocator {
   void* take_parked(Parked& p, std::size_t bytes, StreamId stream) {
     const auto key = reinterpret_cast<std::uintptr_t>(p.block.ptr);
     try {
-      auto used = std::make_unique<std::vector<StreamId>>(1, stream);
-      map_.insert(key, Entry{p.block, bytes, p.stream, std::move(used), true});
+      account_entry(Entry{p.block, bytes, p.stream, std::make_unique<std::vector<StreamId>>(1, stream), true});
     } catch (...) {  // bad_alloc: the policy serves this allocation instead
       return nullptr;
     }
@@ -1116,9 +1109,6 @@ class CachingAllocator final : public DeviceAllocator {
     --parked_count_;
     active_freed_bytes_ += size;  // the parked free ends here (active = allocated + parked)
     ++active_freed_count_;
-    allocated_.increase(size);
-    requested_.increase(static_cast<std::int64_t>(bytes));
-    allocation_.increase(1);
     ++stats_.parked_reuses;
     stats_.parked_reuse_bytes += static_cast<std::uint64_t>(size);
     note_parked_to_policy();
@@ -1450,13 +1440,20 @@ class CachingAllocator final : public DeviceAllocator {
   }
 
   StreamWaits& waits_for(StreamId stream) {
-    for (StreamWaits& w : waits_) {
-      if (w.stream == stream) {
-        return w;
-      }
+    if (StreamWaits* w = find_waits(stream)) {
+      return *w;
     }
     waits_.push_back(StreamWaits{stream, {}, {}});
     return waits_.back();
+  }
+  /// The queue of `stream`'s outstanding events, or nullptr when it has none.
+  StreamWaits* find_waits(StreamId stream) noexcept {
+    for (StreamWaits& w : waits_) {
+      if (w.stream == stream) {
+        return &w;
+      }
+    }
+    return nullptr;
   }
 
   /// The queues again from pending_, after a pass over it (flush_pending) changed its events.
@@ -1649,9 +1646,16 @@ class CachingAllocator final : public DeviceAllocator {
   /// A block handed out: its pointer-map entry and the tallies (Note [Cheap statistics on the
   /// fast path]). Caller holds mutex_.
   void account_allocation(const Block& block, std::size_t bytes, StreamId stream) {
-    map_.insert(reinterpret_cast<std::uintptr_t>(block.ptr), Entry{block, bytes, stream, nullptr, false});
-    allocated_.increase(static_cast<std::int64_t>(block.size));
-    requested_.increase(static_cast<std::int64_t>(bytes));
+    account_entry(Entry{block, bytes, stream, nullptr, false});
+  }
+  /// A new live entry joins the pointer map and the tallies (the map first: nothing changes when
+  /// it throws).
+  void account_entry(Entry&& e) {
+    const auto size = static_cast<std::int64_t>(e.block.size);
+    const auto requested = static_cast<std::int64_t>(e.requested);
+    map_.insert(reinterpret_cast<std::uintptr_t>(e.block.ptr), std::move(e));
+    allocated_.increase(size);
+    requested_.increase(requested);
     allocation_.increase(1);
   }
   /// A live block's entry, just taken from the pointer map, leaves the tallies.
