@@ -19,9 +19,15 @@ namespace {
 /// `a`, spins ~50 ms and re-reads it: `mismatches` counts the words another stream changed
 /// meanwhile, `checksum` what it read.
 struct HeldOnS2 {
-  HeldOnS2(void* a, std::size_t bytes, std::uint64_t seed, const TestStream& s1, const TestStream& s2) {
+  /// Counters only; start() launches. DeviceCounter synchronizes the device when it is made, so
+  /// a test that keeps two streams busy makes every HeldOnS2 before it starts the first.
+  HeldOnS2() { GPU_REQUIRE_OK(cudaEventCreateWithFlags(&filled, cudaEventDisableTiming)); }
+  HeldOnS2(void* a, std::size_t bytes, std::uint64_t seed, const TestStream& s1, const TestStream& s2)
+      : HeldOnS2() {
+    start(a, bytes, seed, s1, s2);
+  }
+  void start(void* a, std::size_t bytes, std::uint64_t seed, const TestStream& s1, const TestStream& s2) {
     GPU_REQUIRE_OK(launch_fill(a, bytes, 1, seed, s1.get()));  // s1's own use of A
-    GPU_REQUIRE_OK(cudaEventCreateWithFlags(&filled, cudaEventDisableTiming));
     GPU_REQUIRE_OK(cudaEventRecord(filled, s1.get()));
     GPU_REQUIRE_OK(cudaStreamWaitEvent(s2.get(), filled, 0));
     GPU_REQUIRE_OK(launch_hold_and_check(a, bytes, 2, seed, cycles_for_ms(50), multiprocessor_count(),
@@ -179,21 +185,26 @@ TEST_CASE("reuse_parked_waits makes the stream wait on the device for the block'
   constexpr std::uint64_t kSeed = 80;
   constexpr std::size_t bytes = 8 * kMiB;
   void* c = alloc->allocate(bytes / 2, s2.id());
-  const HeldOnS2 busy(c, bytes / 2, kSeed + 1, s2, s2);  // keeps s2 busy: A stays parked
   void* a = alloc->allocate(bytes, s1.id());
-  const HeldOnS2 held(a, bytes, kSeed, s1, s1);  // the fill and the long kernel, both on s1
+  // Both made before either kernel starts: making one synchronizes the device (DeviceCounter),
+  // which in session 41's first run let s2's kernel finish before s1's began, so s2 was idle.
+  HeldOnS2 busy;
+  HeldOnS2 held;
+  busy.start(c, bytes / 2, kSeed + 1, s2, s2);  // keeps s2 busy: A stays parked
+  held.start(a, bytes, kSeed, s1, s1);          // the fill and the long kernel, both on s1
   alloc->record_stream(a, s2.id());
   alloc->deallocate(a);
   void* b = alloc->allocate(bytes, s2.id());
-  const bool raced = cudaStreamQuery(s1.get()) == cudaErrorNotReady &&
-                     cudaStreamQuery(s2.get()) == cudaErrorNotReady;
+  const bool s1_busy = cudaStreamQuery(s1.get()) == cudaErrorNotReady;
+  const bool s2_busy = cudaStreamQuery(s2.get()) == cudaErrorNotReady;
   (void)cudaGetLastError();
-  if (raced) {  // both streams busy: A was parked and only a device-side wait lets s2 have it
+  if (s1_busy && s2_busy) {  // A was parked and only a device-side wait lets s2 have it
     CHECK(b == a);
     CHECK(alloc->stats().parked_reuses == 1);
     CHECK(alloc->stats().parked_reuse_waits == 1);
   } else {
-    WARN("s1's kernel finished before the allocation; the test did not race");
+    WARN("the test did not race: s1 " << (s1_busy ? "busy" : "idle") << ", s2 "
+                                      << (s2_busy ? "busy" : "idle") << " after the allocation");
   }
   GPU_REQUIRE_OK(launch_fill(b, bytes, 3, kSeed, s2.get()));
   DeviceCounter filled_after;
