@@ -570,7 +570,7 @@ template <typename Policy>
 void check_reuse_on_waited_stream(SimOptions o, const std::string& conf, bool count_events) {
   auto backend = std::make_unique<SimBackend>(o);
   SimBackend* sim = backend.get();
-  const bool waits = conf.find("reuse_parked_waits:True") != std::string::npos && o.stream_waits;
+  const bool waits = conf.find("reuse_parked_waits:False") == std::string::npos && o.stream_waits;
   Config config = Config::parse("reuse_parked:True" + conf);
   CachingAllocator<Policy> a(std::move(backend), config);
   a.deallocate(a.allocate(4096, 1));
@@ -678,11 +678,12 @@ TEST_CASE("front end: reuse_parked gives a parked free to the stream it waits fo
   SimOptions o;
   o.auto_complete_events = true;  // streams not held are done at once
   o.capacity = std::size_t{1} << 34;
-  // With reuse_parked_waits; without it; and with it on a device that cannot wait (as without).
+  // With reuse_parked_waits (the default); without it; and with it on a device that cannot wait
+  // (as without).
   const int mode = GENERATE(0, 1, 2);
   CAPTURE(mode);
   o.stream_waits = mode != 2;
-  const std::string waits = mode == 1 ? "" : ",reuse_parked_waits:True";
+  const std::string waits = mode == 1 ? ",reuse_parked_waits:False" : "";
   SECTION("size_class") {
     check_reuse_on_waited_stream<SizeClassPolicy>(o, waits, false);
   }

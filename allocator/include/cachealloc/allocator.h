@@ -112,20 +112,26 @@
 // its queued events completed (the poll releases them; the flushes release them without
 // waiting): the queues need no change. A policy never sees any of it: to the policy the block
 // stayed allocated.
-// `reuse_parked_waits:True` (opt-in) also takes a free whose other streams are not done yet, by
-// making S wait for their events on the device (stream_wait_event: cudaStreamWaitEvent, the host
-// does not block), as a stream-ordered pool does when it reuses memory across streams
-// (cudaMallocAsync's internal dependencies); a backend that cannot, or a capture underway, needs
-// the events complete. Replayed with each late free waiting for the other stream
-// (cachealloc-replay --late-frees-on-other-stream), two offload recordings refused 89% and 94%
-// of the candidates for their own stream's event without it. It is opt-in because its GPU test
-// has not passed yet (session 40's ran with the waited stream idle, so nothing was reused there);
-// the e2e runs used it (bench/results/defrag_session40_2026-12-06.md).
-// On an H100 (same file), offload_train over 30 steps: completed events only 12,543 MiB, with
-// device-side waits 12,604, without reuse 15,953-16,219 (expandable segments 14,744-14,944); the
-// peak of allocated + parked bytes 10.5 / 9.8 GB against 14.2-14.4. Over its 10 table steps that
-// peak does not move (it comes in forward, before any block is copied back) and the figures stay
-// within the runs' spread; the other multi-stream jobs reuse few or none.
+// With `reuse_parked_waits` (on by default since session 41; False takes only frees whose other
+// streams are done) it also takes a free whose other streams are not done yet, by making S wait
+// for their events on the device (stream_wait_event: cudaStreamWaitEvent, the host does not
+// block), as a stream-ordered pool does when it reuses memory across streams (cudaMallocAsync's
+// internal dependencies); a backend that cannot, or a capture underway, needs the events
+// complete. Replayed with each late free waiting for the other stream (cachealloc-replay
+// --late-frees-on-other-stream), two offload recordings refused 89% and 94% of the candidates for
+// their own stream's event without it. Its GPU test (tests/gpu/test_record_stream.cpp) keeps
+// both streams busy and checks that S's later work did not run under the other stream's kernel.
+// On H100s (bench/results/defrag_session40_2026-12-06.md, defrag_session41_2026-12-06.md),
+// offload_train, peak device MiB and the share of the step in the allocator, medians:
+//   10 steps: without reuse 11,136, 7.09%; completed frees only 10,256-11,212, 5.33-12.90%; with
+//             device waits 10,268-11,316, 4.85-7.58% (expandable segments 13,134-13,274)
+//   30 steps: without reuse 15,953-16,219, 5.56-5.79%; completed frees only 11,193-12,543,
+//             5.19-9.29%; with device waits 12,604-13,347, 2.48-2.96% (expandable 14,744-15,134)
+// The waits reuse 53-55 frees per step instead of 12-20. Over 30 steps they held 2.2 GB more
+// than completed frees only in session 41's first call (2 runs each: more pages created beyond
+// the slack while the copy stream, now ordered after main's work, kept its holes pending), about
+// the same across session 40's calls. The other multi-stream jobs reuse few or none and stay
+// within their spread.
 //
 // Note [Waiting for frees in flight instead of growing]
 // Parked frees are memory in flight: a job that offloads activations to the host frees each one
@@ -1072,7 +1078,7 @@ class CachingAllocator final : public DeviceAllocator {
       return false;
     }
     if (n != 0 && !reuse_waits_) {
-      return false;  // reuse_parked_waits:False (the default): only frees every other stream is done with
+      return false;  // reuse_parked_waits:False: only frees every other stream is done with
     }
     for (std::size_t i = 0; i < n; ++i) {
       bool queued = false;
@@ -1846,7 +1852,7 @@ class CachingAllocator final : public DeviceAllocator {
   bool share_events_ = true;                  // CACHEALLOC_CONF share_events
   // Note [Reusing a parked free on the stream it waits for]
   bool reuse_parked_ = true;                  // CACHEALLOC_CONF reuse_parked
-  bool reuse_waits_ = false;                  // CACHEALLOC_CONF reuse_parked_waits
+  bool reuse_waits_ = true;                   // CACHEALLOC_CONF reuse_parked_waits
   std::size_t reused_count_ = 0;              // entries of pending_ reused, not yet gone
   std::size_t unrecorded_ = 0;               // the newest parked frees, events not yet recorded
   std::vector<SharedEvent> shared_events_;   // events held by more than one parked free
