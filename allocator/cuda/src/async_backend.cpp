@@ -121,26 +121,12 @@ void CudaAsyncBackend::free_async(void* ptr, StreamId stream) noexcept {
 }
 
 void CudaAsyncBackend::make_stream_wait(StreamId waiter, EventId event) {
-  // The legacy default stream is per device; a fence needs the driver API, hence the context
-  // bound to this thread (force).
-  CudaDeviceGuard guard(device_, /*force=*/CudaEventPool::is_fence(event));
-  if (CudaEventPool::is_fence(event)) {
-    // A host fence (Note [Host fences instead of events]): the stream waits for its counter. The
-    // write was enqueued before this wait, so they cannot deadlock; the pool does not see this
-    // dependency (cudaMemPoolReuseFollowEventDependencies follows events only).
-    const auto& api = cuda_detail::driver_api();
-    if (api.stream_wait_value64 == nullptr) {
-      throw DeviceError("make_stream_wait on a host fence needs cuStreamWaitValue64, which this driver lacks");
-    }
-    const CUresult status = api.stream_wait_value64(reinterpret_cast<CUstream>(to_cuda_stream(waiter)),
-                                                    events_.fence_address(event),
-                                                    CudaEventPool::fence_sequence(event), CU_STREAM_WAIT_VALUE_GEQ);
-    if (status != CUDA_SUCCESS) {
-      cuda_detail::throw_driver_error(status, "cuStreamWaitValue64", __FILE__, __LINE__);
-    }
-    return;
+  // An event, or a host fence (Note [Host fences instead of events]) waited for on its counter;
+  // the pool does not see a fence's dependency (cudaMemPoolReuseFollowEventDependencies follows
+  // events only).
+  if (!events_.stream_wait(waiter, event)) {
+    throw DeviceError("make_stream_wait on a host fence needs cuStreamWaitValue64, which this driver lacks");
   }
-  CACHEALLOC_CUDA_CHECK(cudaStreamWaitEvent(to_cuda_stream(waiter), CudaEventPool::to_event(event), 0));
 }
 
 void CudaAsyncBackend::wait_for_frees(StreamId stream) {

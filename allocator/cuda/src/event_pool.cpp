@@ -186,7 +186,24 @@ EventId CudaEventPool::record_event(StreamId stream) {
 
 bool CudaEventPool::stream_wait(StreamId stream, EventId event) {
   if (is_fence(event)) {
-    return false;
+    // A host fence (Note [Host fences instead of events]): the stream waits on the device until
+    // the fence's counter reached its sequence. The write was enqueued on its stream before this
+    // wait, so they cannot deadlock. The driver API needs the context bound to this thread.
+    const cuda_detail::DriverApi& api = cuda_detail::driver_api();
+    if (api.stream_wait_value64 == nullptr) {
+      return false;
+    }
+    CudaDeviceGuard guard(device_, /*force=*/true);
+    const CUresult status = api.stream_wait_value64(reinterpret_cast<CUstream>(to_cuda_stream(stream)),
+                                                    fence_address(event), fence_sequence(event),
+                                                    CU_STREAM_WAIT_VALUE_GEQ);
+    if (status == CUDA_ERROR_NOT_SUPPORTED) {
+      return false;
+    }
+    if (status != CUDA_SUCCESS) {
+      cuda_detail::throw_driver_error(status, "cuStreamWaitValue64", __FILE__, __LINE__);
+    }
+    return true;
   }
   CudaDeviceGuard guard(device_);
   CACHEALLOC_CUDA_CHECK(cudaStreamWaitEvent(to_cuda_stream(stream), to_event(event), 0));

@@ -67,7 +67,9 @@ class CudaEventPool {
   [[nodiscard]] EventId record_event(StreamId stream);
   /// True when the work before the event finished (cudaEventQuery). Throws DeviceError.
   [[nodiscard]] bool query(EventId event);
-  /// cudaStreamWaitEvent(stream, event); false for a host fence (no stream wait for those here).
+  /// Makes `stream` wait on the device for the event (cudaStreamWaitEvent) or host fence
+  /// (cuStreamWaitValue64 on its counter); false for a fence where the driver lacks that call.
+  /// Throws DeviceError.
   [[nodiscard]] bool stream_wait(StreamId stream, EventId event);
   /// Blocks until the event completed (cudaEventSynchronize). Throws DeviceError.
   void synchronize(EventId event);
