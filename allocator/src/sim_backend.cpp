@@ -358,10 +358,14 @@ void SimBackend::do_unmap_after(std::uintptr_t va, std::size_t bytes, StreamId s
 
 bool SimBackend::event_done(EventId id) const {
   const Event& e = events_.at(id);
+  if (e.settled) {
+    return true;
+  }
   auto done = stream_completed_upto_.find(e.stream);
   const bool own = e.done || (done != stream_completed_upto_.end() && e.sequence <= done->second) ||
                    (e.ready_ns != 0 && clock_ns_ >= e.ready_ns);
-  return own && waits_done(e);
+  e.settled = own && waits_done(e);
+  return e.settled;
 }
 
 // Note [Simulated stream waits]
@@ -548,7 +552,7 @@ void SimBackend::synchronize_event(EventId event) {
 }
 
 void SimBackend::wait_until_done(Event& e) {
-  if (auto it = stream_waits_.find(e.stream); it != stream_waits_.end()) {
+  if (auto it = stream_waits_.find(e.stream); !e.settled && it != stream_waits_.end()) {
     const std::vector<StreamWait> waits = it->second;  // waiting may prune the list
     for (const StreamWait& w : waits) {
       if (e.sequence > w.after && events_.contains(w.event)) {

@@ -261,6 +261,10 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
     bool done;
     std::uint64_t ready_ns = 0;  // event_lag_ns: complete once the clock reaches this (0: never)
     bool destroyed = false;      // destroyed while a stream still waits for it
+    // event_done() answered true once: it stays true (the clock only moves on, and a later wait
+    // of its stream holds only for events recorded after it), so the walk over the waits it
+    // depends on (Note [Simulated stream waits]) is not repeated at every query.
+    mutable bool settled = false;
   };
   /// Note [Simulated stream waits]: events of the stream with a sequence above `after` also
   /// wait for `event`.
