@@ -24,6 +24,9 @@
 // exist for the first kFenceSlots streams; later streams, devices without stream memory
 // operations and a failed host allocation use events as before.
 // make_stream_wait (cudaMemPool dependencies) needs a real event: record_event() gives one.
+// stream_wait() (reuse_parked_waits, Note [Reusing a parked free on the stream it waits for],
+// allocator.h) waits for a fence on the device with cuStreamWaitValue64 (GEQ on its counter);
+// session 41's GPU suite ran under CACHEALLOC_HOST_FENCES=1 with the device-wait test racing.
 //
 // Fences are opt-in (CACHEALLOC_HOST_FENCES=1). Their first run on the H200 found two defects:
 // the driver call failed with CUDA_ERROR_INVALID_CONTEXT on PyTorch's autograd threads (the
