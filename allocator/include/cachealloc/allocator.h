@@ -120,7 +120,8 @@
 // complete. Replayed with each late free waiting for the other stream (cachealloc-replay
 // --late-frees-on-other-stream), two offload recordings refused 89% and 94% of the candidates for
 // their own stream's event without it. Its GPU test (tests/gpu/test_record_stream.cpp) keeps
-// both streams busy and checks that S's later work did not run under the other stream's kernel.
+// both streams busy and checks that S's later work did not run under the other stream's kernel;
+// it raced and passed on every policy in session 41, with events and with host fences.
 // On H100s (bench/results/defrag_session40_2026-12-06.md, defrag_session41_2026-12-06.md),
 // offload_train, peak device MiB and the share of the step in the allocator, medians:
 //   10 steps: without reuse 11,136, 7.09%; completed frees only 10,256-11,212, 5.33-12.90%; with
