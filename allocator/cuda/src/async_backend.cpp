@@ -125,7 +125,9 @@ void CudaAsyncBackend::make_stream_wait(StreamId waiter, EventId event) {
   // the pool does not see a fence's dependency (cudaMemPoolReuseFollowEventDependencies follows
   // events only).
   if (!events_.stream_wait(waiter, event)) {
-    throw DeviceError("make_stream_wait on a host fence needs cuStreamWaitValue64, which this driver lacks");
+    throw DeviceError(
+        "make_stream_wait on a host fence needs cuStreamWaitValue64, which this driver lacks or does not "
+        "support on this device; unset CACHEALLOC_HOST_FENCES to use events");
   }
 }
 
