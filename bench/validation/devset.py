@@ -17,6 +17,14 @@ Prints one Markdown table (peak reserved / peak requested per trace and lag; bol
 expandable segments) and, per variant: the mean and worst ratio, how many pairs are at most
 --bound and below expandable, and how many are lower / higher than the first variant.
 
+`--set gpu-runs` takes instead the jobs recorded on GPUs under several allocators
+(bench/validation/gpu_runs/: offload_train, stream_weights and the pipeline, each with a copy or
+producer stream), best replayed with `--lags 0 --stream-lags --late-frees-on-other-stream` and
+each device-call price the GPU showed (`--call-cost NAME=map=60` and `=map=300` as two
+variants). Their peak is mostly memory in flight (frees another stream still reads), so the
+summary also gives each variant's mean peak over the trace's live + pending peak (the floor of any
+allocator, cachealloc-replay's peak_live_pending_bytes) and its device calls' simulated time.
+
 The default lags include 100 ms: judged at 0-5 ms only, the shipped policy held 1.020-1.024 of
 llm_serve's live peak, below expandable's 1.032, while on the H200 it held 6% more than
 expandable; replayed 100 ms behind the host it does too (1.132; bench/results/
@@ -36,10 +44,17 @@ from replay_table import replay  # noqa: E402  (the one way this directory runs 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEV_SET = ("tests/data/traces/*.pickle.xz", "bench/e2e/recordings/*.pickle.xz",
            "bench/validation/recordings/*.pickle.xz", "bench/validation/recordings_b/*.pickle.xz")
+GPU_RUNS = ("bench/validation/gpu_runs/**/*.pickle.xz",)
+SETS = {"dev": DEV_SET, "gpu-runs": GPU_RUNS}
 
 
 def short_name(trace: str) -> str:
-    return f"{os.path.basename(os.path.dirname(trace))}/{os.path.basename(trace).split('.pickle')[0]}"
+    parts = os.path.relpath(trace, REPO).split(os.sep)
+    if len(parts) > 3 and parts[:3] == ["bench", "validation", "gpu_runs"]:  # gpu_runs/<who>/<job>
+        parts = parts[2:]
+    else:
+        parts = parts[-2:]
+    return "/".join(parts[:-1] + [parts[-1].split(".pickle")[0]])
 
 
 def parse_variants(args) -> list[dict]:
@@ -75,8 +90,10 @@ def parse_variants(args) -> list[dict]:
     return variants
 
 
-def run_pair(trace: str, lag: int, variants: list[dict], check_every: int, stream_lags: bool = False) -> dict:
-    lag_args = ["--gpu-lag-us", str(lag)] + (["--stream-lags"] if stream_lags else [])
+def run_pair(trace: str, lag: int, variants: list[dict], check_every: int, stream_lags: bool = False,
+             other_stream: bool = False) -> dict:
+    lag_args = (["--gpu-lag-us", str(lag)] + (["--stream-lags"] if stream_lags or other_stream else []) +
+                (["--late-frees-on-other-stream"] if other_stream else []))
     expandable = replay(variants[0]["replay"], trace,
                         ["-p", "native", "-c", "native=expandable_segments:True", *lag_args], 0)
     row = {"trace": short_name(trace), "lag_us": lag,
@@ -84,9 +101,15 @@ def run_pair(trace: str, lag: int, variants: list[dict], check_every: int, strea
     for v in variants:
         extra = (["-p", "defrag", *lag_args, *v["args"]] +
                  (["-c", f"defrag={v['conf']}"] if v["conf"] else []))
-        d = replay(v["replay"], trace, extra, check_every, v["env"])["policies"][0]
+        out = replay(v["replay"], trace, extra, check_every, v["env"])
+        d = out["policies"][0]
+        # The floor of any allocator: the peak of live bytes plus frees still pending (cachealloc-
+        # replay's peak_live_pending_bytes; the peak requested where the trace has no late frees).
+        floor = max(out.get("peak_live_pending_bytes") or 0, out["peak_requested_bytes"], 1)
         row["variants"][v["name"]] = {"ratio": d["ratio"], "maps": d["map_calls"],
-                                      "unmaps": d["unmap_calls"]}
+                                      "unmaps": d["unmap_calls"],
+                                      "over_floor": d["peak_reserved_bytes"] / floor,
+                                      "call_ns": d.get("simulated_call_ns", 0)}
     return row
 
 
@@ -109,9 +132,13 @@ def markdown(rows: list[dict], names: list[str], bound: float) -> str:
         within = sum(x <= bound for x in ratios)
         below = sum(r["variants"][n]["ratio"] < r["expandable"] for r in rows)
         calls = sum(r["variants"][n]["maps"] + r["variants"][n]["unmaps"] for r in rows)
+        over_floor = sum(r["variants"][n]["over_floor"] for r in rows) / len(rows)
+        call_s = sum(r["variants"][n]["call_ns"] for r in rows) / 1e9
         line = (f"- {n}: mean {sum(ratios) / len(ratios):.4f}, worst {worst['variants'][n]['ratio']:.3f} "
                 f"({worst['trace']} at {worst['lag_us'] / 1000:g} ms); at most {bound} on {within} of "
-                f"{len(rows)}, below expandable on {below}; {calls:,} maps + unmaps in all")
+                f"{len(rows)}, below expandable on {below}; {calls:,} maps + unmaps in all; "
+                f"mean {over_floor:.3f} of the live + pending peak; device calls {call_s:.2f} s "
+                "(simulated)")
         if n != base:
             lower = sum(r["variants"][n]["ratio"] < r["variants"][base]["ratio"] - 5e-4 for r in rows)
             higher = sum(r["variants"][n]["ratio"] > r["variants"][base]["ratio"] + 5e-4 for r in rows)
@@ -125,7 +152,11 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("traces", nargs="*",
-                    help="snapshot files (default: the development set, " + ", ".join(DEV_SET) + ")")
+                    help="snapshot files (default: the set named by --set)")
+    ap.add_argument("--set", choices=sorted(SETS), default="dev",
+                    help="the traces when none are named: dev, the development set (" +
+                         ", ".join(DEV_SET) + "); gpu-runs, the multi-stream jobs recorded on GPUs (" +
+                         ", ".join(GPU_RUNS) + ") (default: %(default)s)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=SETTINGS",
                     help="a variant: its name and defrag settings, e.g. held=max_grow_slack:0.01 or "
                          "shipped= (repeatable; the first is the one the others are compared with)")
@@ -145,6 +176,11 @@ def main() -> int:
     ap.add_argument("--stream-lags", action="store_true",
                     help="every replay with cachealloc-replay --stream-lags: streams stay busy as long as "
                          "the trace's late frees show, on top of each lag")
+    ap.add_argument("--late-frees-on-other-stream", action="store_true",
+                    help="every replay with cachealloc-replay --stream-lags "
+                         "--late-frees-on-other-stream: on a trace with two streams, a late free waits "
+                         "for the stream that did not allocate the block (device-side reuse of parked "
+                         "frees can happen); implies --stream-lags")
     ap.add_argument("--bound", type=float, default=1.02,
                     help="issue 5's bound on peak reserved / peak requested (default %(default)s)")
     ap.add_argument("--check-every", type=int, default=0,
@@ -165,7 +201,8 @@ def main() -> int:
     except ValueError as e:
         print(f"devset: {e}", file=sys.stderr)
         return 2
-    traces = args.traces or sorted(t for g in DEV_SET for t in glob.glob(os.path.join(REPO, g)))
+    traces = args.traces or sorted(t for g in SETS[args.set]
+                                   for t in glob.glob(os.path.join(REPO, g), recursive=True))
     missing = [t for t in traces if not os.path.isfile(t)]
     if missing or not traces:
         print(f"devset: no such trace: {', '.join(missing) or '(the development set is empty)'}",
@@ -174,7 +211,8 @@ def main() -> int:
     pairs = [(t, lag) for t in traces for lag in lags]
     rows: list[dict | None] = [None] * len(pairs)
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {pool.submit(run_pair, t, lag, variants, args.check_every, args.stream_lags): i
+        futures = {pool.submit(run_pair, t, lag, variants, args.check_every, args.stream_lags,
+                               args.late_frees_on_other_stream): i
                    for i, (t, lag) in enumerate(pairs)}
         for done, f in enumerate(concurrent.futures.as_completed(futures), 1):
             i = futures[f]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import tempfile
@@ -568,6 +569,16 @@ def test_devset_compares_defrag_variants_against_expandable(tmp_path):
     assert "- shipped: mean " in table and "at most 1.02 on" in table
     assert "- held: mean " in table and "against shipped: lower on" in table
     assert "- dear: mean " in table  # the same policy with maps ten times dearer
+    # A GPU recording of a job with a copy stream, its late frees waiting for the other stream:
+    # named by its path under gpu_runs/, its peak also judged against the live + pending peak.
+    gpu_run = REPO / "bench" / "validation" / "gpu_runs" / "h100_s42" / "offload_train_r2.pickle.xz"
+    g = subprocess.run([sys.executable, str(script), "--replay", found[0], "--variant", "shipped=",
+                        "--lags", "0", "--late-frees-on-other-stream", str(gpu_run)],
+                       capture_output=True, text=True, timeout=300)
+    assert g.returncode == 0, g.stderr
+    assert "| gpu_runs/h100_s42/offload_train_r2 | 0 |" in g.stdout, g.stdout
+    floor = re.search(r"mean (\d+\.\d+) of the live \+ pending peak; device calls (\d+\.\d+) s", g.stdout)
+    assert floor and float(floor.group(1)) >= 1.0 and float(floor.group(2)) > 0, g.stdout
     for bad, message in ((["--variant", "nameonly"], "NAME=SETTINGS"),
                          (["--variant", "a=", "--env", "b=X=1"], "NAME=VAR=VALUE"),
                          (["--variant", "a=", "--call-cost", "a=map"], "NAME=KIND=MICROSECONDS"),
