@@ -22,8 +22,10 @@ expandable segments) and, per variant: the mean and worst ratio, how many pairs 
 producer stream), best replayed with `--lags 0 --stream-lags --late-frees-on-other-stream` and
 each device-call price the GPU showed (`--call-cost NAME=map=60` and `=map=300` as two
 variants). Their peak is mostly memory in flight (frees another stream still reads), so the
-summary also gives each variant's mean peak over the trace's live + pending peak (the floor of any
-allocator, cachealloc-replay's peak_live_pending_bytes) and its device calls' simulated time.
+summary also gives each variant's mean peak over the trace's live + pending peak (live bytes plus
+frees still pending at the recorded pace, cachealloc-replay's peak_live_pending_bytes: what an
+allocator that reuses a free only once its streams are done must hold; reuse with device-side waits
+can go below it) and its device calls' simulated time.
 
 The default lags include 100 ms: judged at 0-5 ms only, the shipped policy held 1.020-1.024 of
 llm_serve's live peak, below expandable's 1.032, while on the H200 it held 6% more than
@@ -103,8 +105,8 @@ def run_pair(trace: str, lag: int, variants: list[dict], check_every: int, strea
                  (["-c", f"defrag={v['conf']}"] if v["conf"] else []))
         out = replay(v["replay"], trace, extra, check_every, v["env"])
         d = out["policies"][0]
-        # The floor of any allocator: the peak of live bytes plus frees still pending (cachealloc-
-        # replay's peak_live_pending_bytes; the peak requested where the trace has no late frees).
+        # Live bytes plus frees still pending at the recorded pace (cachealloc-replay's
+        # peak_live_pending_bytes; the peak requested where the trace has no late frees).
         floor = max(out.get("peak_live_pending_bytes") or 0, out["peak_requested_bytes"], 1)
         row["variants"][v["name"]] = {"ratio": d["ratio"], "maps": d["map_calls"],
                                       "unmaps": d["unmap_calls"],
@@ -205,7 +207,7 @@ def main() -> int:
                                    for t in glob.glob(os.path.join(REPO, g), recursive=True))
     missing = [t for t in traces if not os.path.isfile(t)]
     if missing or not traces:
-        print(f"devset: no such trace: {', '.join(missing) or '(the development set is empty)'}",
+        print(f"devset: no such trace: {', '.join(missing) or f'(the {args.set} set is empty)'}",
               file=sys.stderr)
         return 2
     pairs = [(t, lag) for t in traces for lag in lags]
