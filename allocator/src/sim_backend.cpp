@@ -361,10 +361,24 @@ bool SimBackend::event_done(EventId id) const {
   if (e.settled) {
     return true;
   }
+  ++query_gen_;  // a new query: what earlier ones found pending may have completed since
+  return done_in_query(e);
+}
+
+bool SimBackend::done_in_query(const Event& e) const {
+  if (e.settled) {
+    return true;
+  }
+  if (e.pending_in_query == query_gen_) {
+    return false;  // found not complete earlier in this query (Note [Simulated stream waits])
+  }
   auto done = stream_completed_upto_.find(e.stream);
   const bool own = e.done || (done != stream_completed_upto_.end() && e.sequence <= done->second) ||
                    (e.ready_ns != 0 && clock_ns_ >= e.ready_ns);
   e.settled = own && waits_done(e);
+  if (!e.settled) {
+    e.pending_in_query = query_gen_;
+  }
   return e.settled;
 }
 
@@ -375,7 +389,7 @@ bool SimBackend::waits_done(const Event& e) const {
     return true;
   }
   for (const StreamWait& w : it->second) {
-    if (e.sequence > w.after && !event_done(w.event)) {
+    if (e.sequence > w.after && !done_in_query(events_.at(w.event))) {
       return false;
     }
   }
@@ -552,7 +566,10 @@ void SimBackend::synchronize_event(EventId event) {
 }
 
 void SimBackend::wait_until_done(Event& e) {
-  if (auto it = stream_waits_.find(e.stream); !e.settled && it != stream_waits_.end()) {
+  if (e.settled) {
+    return;  // complete, and so is every wait it depends on (Note [Simulated stream waits])
+  }
+  if (auto it = stream_waits_.find(e.stream); it != stream_waits_.end()) {
     const std::vector<StreamWait> waits = it->second;  // waiting may prune the list
     for (const StreamWait& w : waits) {
       if (e.sequence > w.after && events_.contains(w.event)) {
@@ -561,6 +578,7 @@ void SimBackend::wait_until_done(Event& e) {
     }
   }
   if (e.done) {
+    e.settled = true;
     return;
   }
   if (e.ready_ns > clock_ns_ && e.sequence > stream_completed_upto_[e.stream]) {
@@ -573,6 +591,7 @@ void SimBackend::wait_until_done(Event& e) {
   if (done < e.sequence) {
     done = e.sequence;
   }
+  e.settled = true;  // its waits were waited for above: no later walk needs to visit it again
 }
 
 void SimBackend::destroy_event(EventId event) noexcept {

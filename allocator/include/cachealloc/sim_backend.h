@@ -124,7 +124,11 @@ struct SimOptions {
 // stream_wait_event(S, E) is cudaStreamWaitEvent: S's work queued from then on runs after the work
 // E fences. The simulator keeps (E, S's event count at the call) for S; an event recorded on S
 // later completes only when its own condition holds and E completed too (recursively: E's stream
-// may wait as well); a synchronize on it waits for E first. E stays in the event table, past its
+// may wait as well); a synchronize on it waits for E first. Both walks visit each event once: a
+// query remembers the events it found not complete (pending_in_query), a wait marks each event it
+// waited for settled (session 42: two streams that wait on each other's events, as device-side
+// reuse of parked frees makes them, gave the unmemoized walks exponentially many paths and a test
+// of 8 threads on one allocator ran for minutes instead of a second). E stays in the event table, past its
 // destroy_event if need be (uncounted by live_events()), until it completed and the wait was
 // dropped: a stream's completed waits are dropped at its next wait or query. release_stream keeps a
 // released stream's waits for all its later events (its sequence numbers restart).
@@ -265,6 +269,10 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
     // of its stream holds only for events recorded after it), so the walk over the waits it
     // depends on (Note [Simulated stream waits]) is not repeated at every query.
     mutable bool settled = false;
+    // Within one query (query_gen_), an event already found not complete is not walked again:
+    // with two streams waiting on each other the waits form a DAG with many paths, and an
+    // unmemoized walk took exponential time (Note [Simulated stream waits]).
+    mutable std::uint64_t pending_in_query = 0;
   };
   /// Note [Simulated stream waits]: events of the stream with a sequence above `after` also
   /// wait for `event`.
@@ -273,6 +281,8 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
     std::uint64_t after;
   };
   [[nodiscard]] bool waits_done(const Event& e) const;
+  /// event_done() within the current query (query_gen_): memoizes "not yet" per query.
+  [[nodiscard]] bool done_in_query(const Event& e) const;
   void prune_waits(StreamId stream);
   /// The host waits for `e` (the clock moves to when the simulated GPU gets there), as
   /// synchronize_event, without counting a call.
@@ -280,7 +290,8 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
 
   SimOptions options_;
   std::unordered_map<StreamId, std::uint64_t> stream_ready_ns_;  // SimOptions::stream_lag: last ready_ns
-  std::uint64_t clock_ns_ = 0;    // Note [Simulated time]
+  std::uint64_t clock_ns_ = 0;
+  mutable std::uint64_t query_gen_ = 0;  // event_done()'s current query (Event::pending_in_query)    // Note [Simulated time]
   std::uint64_t charged_ns_ = 0;  // modelled cost of the calls made so far
   void charge(std::uint64_t ns) noexcept {
     if (options_.model_call_costs) {
