@@ -566,10 +566,9 @@ void SimBackend::synchronize_event(EventId event) {
 }
 
 void SimBackend::wait_until_done(Event& e) {
-  if (e.settled) {
-    return;  // complete, and so is every wait it depends on (Note [Simulated stream waits])
-  }
-  if (auto it = stream_waits_.find(e.stream); it != stream_waits_.end()) {
+  // A settled event's waits completed: only its own completion below is recorded (cheap), so
+  // each walk goes through an event's waits once (Note [Simulated stream waits]).
+  if (auto it = stream_waits_.find(e.stream); !e.settled && it != stream_waits_.end()) {
     const std::vector<StreamWait> waits = it->second;  // waiting may prune the list
     for (const StreamWait& w : waits) {
       if (e.sequence > w.after && events_.contains(w.event)) {

@@ -290,8 +290,8 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
 
   SimOptions options_;
   std::unordered_map<StreamId, std::uint64_t> stream_ready_ns_;  // SimOptions::stream_lag: last ready_ns
-  std::uint64_t clock_ns_ = 0;
-  mutable std::uint64_t query_gen_ = 0;  // event_done()'s current query (Event::pending_in_query)    // Note [Simulated time]
+  std::uint64_t clock_ns_ = 0;    // Note [Simulated time]
+  mutable std::uint64_t query_gen_ = 0;  // event_done()'s current query (Event::pending_in_query)
   std::uint64_t charged_ns_ = 0;  // modelled cost of the calls made so far
   void charge(std::uint64_t ns) noexcept {
     if (options_.model_call_costs) {
