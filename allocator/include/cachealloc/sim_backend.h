@@ -128,10 +128,10 @@ struct SimOptions {
 // query remembers the events it found not complete (pending_in_query), a wait marks each event it
 // waited for settled (session 42: two streams that wait on each other's events, as device-side
 // reuse of parked frees makes them, gave the unmemoized walks exponentially many paths and a test
-// of 8 threads on one allocator ran for minutes instead of a second). E stays in the event table, past its
-// destroy_event if need be (uncounted by live_events()), until it completed and the wait was
-// dropped: a stream's completed waits are dropped at its next wait or query. release_stream keeps a
-// released stream's waits for all its later events (its sequence numbers restart).
+// of 8 threads on one allocator ran for minutes instead of a second). E stays in the event table,
+// past its destroy_event if need be (uncounted by live_events()), until it completed and the wait
+// was dropped: a stream's completed waits are dropped at its next wait or query. release_stream
+// keeps a released stream's waits for all its later events (its sequence numbers restart).
 class SimBackend final : public DeviceBackend, private VirtualMemory {
  public:
   explicit SimBackend(SimOptions options = {});
