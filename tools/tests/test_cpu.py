@@ -545,6 +545,24 @@ def test_replay_stream_lags_and_the_live_plus_pending_floor(tmp_path):
     assert j["peak_live_pending_bytes"] > j["peak_requested_bytes"]
     for p in j["policies"]:
         assert p["peak_reserved_bytes"] >= j["peak_live_pending_bytes"], p["name"]
+    # Event queries per 1,000 allocations only where late frees wait for the job's own streams
+    # (--late-frees-on-other-stream): a number for every policy, in step with --json's counts.
+    assert "event queries per 1,000 allocations" not in r.stdout, r.stdout
+    o = subprocess.run([found[0], str(trace), "-q", "-p", "defrag", "-p", "native", "--stream-lags",
+                        "--late-frees-on-other-stream", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert o.returncode == 0, o.stderr
+    line = next(x for x in o.stdout.splitlines() if x.startswith("event queries per 1,000 allocations:"))
+    printed = dict(re.findall(r" (\w+) (\d+)", line.split(":", 1)[1]))
+    assert set(printed) == {"defrag", "native"}, line
+    recorded = dict(re.findall(r" (\w+) (\d+)",
+                               next(x for x in o.stdout.splitlines()
+                                    if x.startswith("events recorded per 1,000")).split(":", 1)[1]))
+    for p in json.loads(out.read_text())["policies"]:
+        assert p["event_queries"] > 0, p["name"]
+        # The same allocation count divides both: the printed ratio follows the JSON's counts.
+        expect = int(printed[p["name"]]) / int(recorded[p["name"]])
+        assert abs(p["event_queries"] / p["events_recorded"] - expect) < 0.05 * expect, (p, line)
 
 
 def test_devset_compares_defrag_variants_against_expandable(tmp_path):
