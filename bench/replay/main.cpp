@@ -505,7 +505,8 @@ int main(int argc, char** argv) {
           p["parked_wait_ns"] = r.parked_wait_ns;
           p["mapped_bytes"] = r.mapped_bytes;
           p["events_recorded"] = r.events_recorded;
-          p["event_queries"] = r.event_queries;  // per parked block and poll unless late_frees_on_other_stream: see the table
+          // Per parked block and poll unless late_frees_on_other_stream (see the summary above).
+          p["event_queries"] = r.event_queries;
           p["failed_allocations"] = r.failed_allocations;
           p["events_per_second"] = r.events_per_second;
           p["simulated_call_ns"] = r.charged_ns;  // what its device calls cost the simulated host
