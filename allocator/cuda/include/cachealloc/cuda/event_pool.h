@@ -40,6 +40,16 @@
 // per pipeline step with events and 430 with fences, 3,751 and 3,535 on gpt2, 1,580 and 1,517
 // on resnet50; defrag 995 / 974 (pipeline), 697 / 707 (resnet50): within the run-to-run spread.
 // An event query on a completed event is cheap enough that removing it does not show.
+// Measured again on one H100 in session 44 (bench/results/defrag_session44_2026-12-07.md, policy
+// defrag, 2-3 interleaved runs per call): fences took the event calls of every job that parks
+// many frees down (offload_train 941 -> 510 and 928 -> 565 us per step, comm_overlap 141 -> 67,
+// stream_weights 187 -> 140; the pipeline's 15-25 us unchanged) and offload_train's steps without
+// a device call from 1.38-1.44% to 1.07-1.16% of the step, with peaks within the spread; but the
+// median step was longer under fences on the pipeline (3 calls, +0.6 to +3.5%), comm_overlap
+// (+6.4%, one run 11% slower) and stream_weights (+1.4%), shorter only on offload_train. A write
+// with its default memory barrier may cost the GPU more than an event; until that is measured
+// (e.g. with CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER, whose ordering would need its own proof)
+// they stay opt-in.
 #pragma once
 
 #include <cachealloc/types.h>
