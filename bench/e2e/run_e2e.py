@@ -148,6 +148,7 @@ GPU, torch version) and the same data, run by run, in e2e_<date>[_tag].json next
 from __future__ import annotations
 
 import argparse
+import bisect
 import datetime as _dt
 import json
 import math
@@ -633,7 +634,9 @@ def run_workload(spec: dict[str, Any]) -> dict[str, Any]:
         # device calls and policy defrag's waits of each step.
         step_stats = ([_counters(_read_stats(torch, cachealloc, device))]
                       if device.type == "cuda" and kind in ("plugin", "full") else None)
+        step_start_ns = []  # CLOCK_MONOTONIC, the clock of the policy's histories (steady_clock)
         for i in range(spec["warmup"], spec["warmup"] + spec["steps"]):
+            step_start_ns.append(time.monotonic_ns())
             t0 = time.perf_counter()
             wl.step(i)
             sync()
@@ -643,6 +646,7 @@ def run_workload(spec: dict[str, Any]) -> dict[str, Any]:
             if step_stats is not None:
                 step_stats.append(_counters(_read_stats(torch, cachealloc, device)))
         result["step_s"] = times
+        result["step_start_ns"] = step_start_ns
         if marks is not None:
             result["allocator_ns_steps"] = [b - a for a, b in zip(marks, marks[1:])]
         if step_stats is not None:
@@ -673,7 +677,12 @@ def run_workload(spec: dict[str, Any]) -> dict[str, Any]:
                     # Note [A history of the slack]: when and why its slack moved, and the
                     # growths that went beyond it, with the live peak at each moment.
                     try:
-                        result["defrag_slack_history"] = cachealloc.policy_report(device).get("slack_history", [])
+                        report = cachealloc.policy_report(device)
+                        result["defrag_slack_history"] = report.get("slack_history", [])
+                        # Note [A history of the time budget]: the growths that moved pages or
+                        # waited and the move budget's windows, on the clock of step_start_ns.
+                        result["defrag_costly_growths"] = report.get("growths", [])
+                        result["defrag_budget_windows"] = report.get("windows", [])
                     except Exception as e:  # a diagnostic: the run stands without it
                         result["defrag_slack_history_error"] = f"{type(e).__name__}: {e}"
             if "allocator_ns" in delta and kind in ("plugin", "full"):
@@ -1084,6 +1093,45 @@ def _slack_path(r: dict[str, Any]) -> Optional[str]:
     return text
 
 
+def _step_of(r: dict[str, Any], t_ns: int) -> Optional[int]:
+    """The measured step (0-based) running at t_ns on the monotonic clock, -1 before the first
+    (warm-up), None after the last or where the run has no step start times."""
+    starts = r.get("step_start_ns")
+    if not starts:
+        return None
+    if t_ns < starts[0]:
+        return -1
+    i = bisect.bisect_right(starts, t_ns) - 1
+    end = starts[i] + int(r["step_s"][i] * 1e9)
+    return i if t_ns <= end or i + 1 < len(starts) else None
+
+
+def _budget_path(r: dict[str, Any]) -> Optional[str]:
+    """Policy defrag's move budget over a run (Note [A history of the time budget]): its waits
+    by measured step (warm-up as w), and each window judged over the budget: the step it closed
+    in, its charged growths, the waits' share of their time, how long it was open, why it closed
+    and the verdict. None for other allocators or runs without the histories."""
+    growths, windows = r.get("defrag_costly_growths"), r.get("defrag_budget_windows")
+    if growths is None or windows is None or not r.get("step_start_ns"):
+        return None
+    def where(t: int) -> str:
+        s = _step_of(r, t)
+        return "w" if s == -1 else "after" if s is None else str(s)
+    waits: dict[str, list[float]] = {}
+    for g in growths:
+        if g["waits"]:
+            waits.setdefault(where(g["time_ns"]), []).append(g["waited_ns"] / 1e6)
+    wait_text = ", ".join(f"step {k}: {len(v)} ({sum(v):.1f} ms)" for k, v in waits.items()) or "none"
+    over = [w for w in windows if w["verdict"] != "within"]
+    win_text = "; ".join(
+        f"step {where(w['close_ns'])}: {w['growths']} growths, {100.0 * w['waited_ns'] / max(w['charged_ns'], 1):.0f}% "
+        f"waiting, open {(w['close_ns'] - w['open_ns']) / 1e6:.0f} ms, {w['close']} -> {w['verdict']}"
+        for w in over[:12]) or "none"
+    if len(over) > 12:
+        win_text += f"; and {len(over) - 12} more"
+    return (f"waits {wait_text}; {len(windows)} windows, {len(over)} over the budget: {win_text}")
+
+
 def _quiet_steps(r: dict[str, Any]) -> Optional[dict[str, Any]]:
     """The run's measured steps without a device call: how many, their median allocator ns, and
     that over the run's median step time (None where the run has no per-step calls)."""
@@ -1159,6 +1207,9 @@ def summarize(results: list[dict[str, Any]], workloads: list[str], configs: list
                 "defrag_runs": [d for r in ok if (d := _defrag_run(r))],
                 # Per run (policy defrag): its slack's path (Note [A history of the slack]).
                 "slack_paths": [p for r in ok if (p := _slack_path(r))],
+                # Per run (policy defrag): its waits by step and its windows over the move budget
+                # (Note [A history of the time budget]).
+                "budget_paths": [p for r in ok if (p := _budget_path(r))],
                 # Per run of 30 measured steps or more: the allocator's share in each third.
                 "thirds": [t for r in ok if (t := _thirds(r))],
                 # Per run that waited for parked frees instead of growing (wait_parked_to_grow):
@@ -1476,6 +1527,14 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any], meta: dict[str, 
                 f"growth beyond it: the new slack, why, and the peak of live bytes then, MiB): "
                 + " | ".join(f"run {i + 1}: {p}" for i, p in enumerate(ps))
                 for cfg, ps in paths]
+        budgets = [(cfg, r["budget_paths"]) for cfg, r in rows.items() if r.get("budget_paths")]
+        if budgets:
+            lines += [""] + [
+                f"- {cfg}, its move budget in each run (stream waits by measured step, w = warm-up; "
+                f"each window over the budget: the step it closed in, its charged growths, the waits' "
+                f"share of their time, how long it was open, why it closed and the verdict): "
+                + " | ".join(f"run {i + 1}: {p}" for i, p in enumerate(ps))
+                for cfg, ps in budgets]
         if heavy:
             # What the heaviest step of each run did (cachealloc: device calls, defrag's waits).
             lines += [""] + [

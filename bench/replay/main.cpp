@@ -74,6 +74,79 @@ void print_history(const replay::PolicyResult& r) {
   }
 }
 
+/// --explain: defrag's move budget as it judged it (Note [A history of the time budget]): each
+/// window it closed over the budget, and each growth that waited for a stream.
+void print_budget(const replay::PolicyResult& r) {
+  constexpr std::size_t kShown = 40;  // per list; --json has them all
+  const auto ms = [](std::uint64_t ns) { return static_cast<double>(ns) / 1e6; };
+  std::size_t within = 0;
+  std::size_t shown = 0;
+  std::size_t over = 0;
+  for (const BudgetWindow& w : r.windows) {
+    if (w.verdict == BudgetWindow::Verdict::within) {
+      ++within;
+      continue;
+    }
+    ++over;
+    if (shown == 0) {
+      std::printf("  %s, the move budget's windows over it (open -> close s; growths charged; their time, of "
+                  "which waiting, less what quiet time paid; the budget; waits at new peaks, uncharged):\n",
+                  r.name.c_str());
+    }
+    if (shown++ == kShown) {
+      continue;
+    }
+    const std::string_view close = window_close_id(w.close);
+    const std::string_view verdict = window_verdict_id(w.verdict);
+    std::printf("    %9.3f -> %9.3f s  %2u growths  %8.2f ms (waited %7.2f)  spent %8.2f / allowed %7.2f ms  "
+                "%u uncharged waits (%.2f ms)  closed %.*s: %.*s, slack %.4f\n",
+                static_cast<double>(w.open_ns) / 1e9, static_cast<double>(w.close_ns) / 1e9, w.growths,
+                ms(w.charged_ns), ms(w.waited_ns), ms(w.spent_ns), ms(w.allowed_ns), w.uncharged_waits,
+                ms(w.uncharged_wait_ns), static_cast<int>(close.size()), close.data(),
+                static_cast<int>(verdict.size()), verdict.data(), w.slack_after);
+  }
+  if (over > kShown) {
+    std::printf("    ... and %zu more over the budget (all in --json as budget_windows)\n", over - kShown);
+  }
+  std::printf("  %s: %zu windows of the move budget judged, %zu within it, %zu over%s\n", r.name.c_str(),
+              r.windows.size(), within, over,
+              r.windows_dropped != 0 ? (", and " + std::to_string(r.windows_dropped) + " later ones only counted").c_str()
+                                     : "");
+  std::uint64_t waited = 0;
+  std::uint64_t at_peak_ns = 0;
+  std::size_t waiting = 0;
+  std::size_t at_peak = 0;
+  shown = 0;
+  for (const CostlyGrowth& g : r.growths) {
+    if (g.waits == 0) {
+      continue;
+    }
+    ++waiting;
+    waited += g.waited_ns;
+    if (g.new_peak) {
+      ++at_peak;
+      at_peak_ns += g.waited_ns;
+    }
+    if (shown == 0) {
+      std::printf("  %s, the growths that waited for a stream (end s; waited / whole growth ms; pages moved "
+                  "and created):\n", r.name.c_str());
+    }
+    if (shown++ < kShown) {
+      std::printf("    %9.3f s  %u wait%s %8.2f / %8.2f ms  %u moved, %u created, stream %#llx%s%s\n",
+                  static_cast<double>(g.time_ns) / 1e9, g.waits, g.waits == 1 ? " " : "s", ms(g.waited_ns),
+                  ms(g.took_ns), g.pages_moved, g.pages_created, static_cast<unsigned long long>(g.stream),
+                  g.new_peak ? ", at a new peak (uncharged)" : "", g.pending ? ", moving pending" : "");
+    }
+  }
+  if (shown > kShown) {
+    std::printf("    ... and %zu more (all in --json as costly_growths)\n", shown - kShown);
+  }
+  std::printf("  %s: %zu of %zu growths that moved pages or waited waited, %.2f ms in all; %zu of them at a new "
+              "peak (%.2f ms)%s\n", r.name.c_str(), waiting, r.growths.size(), ms(waited), at_peak, ms(at_peak_ns),
+              r.growths_dropped != 0 ? (", and " + std::to_string(r.growths_dropped) + " later growths only counted").c_str()
+                                     : "");
+}
+
 std::size_t parse_capacity(const std::string& text) {
   Config c = Config::parse("capacity:" + text);
   return *c.take_bytes("capacity");
@@ -147,7 +220,10 @@ int main(int argc, char** argv) {
                "peak, in order: each raise of its slack (and why), each raise undone, the switch "
                "to moving pending, and each growth that created pages beyond the slack, with the "
                "time, the slack, the live bytes, their peak and the reserved bytes then (the "
-               "first 512; also in --json as slack_history)");
+               "first 512; also in --json as slack_history); then its move budget's windows that "
+               "went over it (growths charged, their time and waits, what the budget allowed, the "
+               "verdict) and the growths that waited for a stream (the first 40 of each; in --json "
+               "all the policy kept, as budget_windows and costly_growths)");
   app.add_option("--gpu-lag-us", gpu_lag_us,
                  "simulated device: the GPU finishes the work queued on a stream this many "
                  "microseconds (of the trace's own clock) after the host queued it, so events "
@@ -380,6 +456,7 @@ int main(int argc, char** argv) {
       for (const replay::PolicyResult& r : results) {
         if (r.error.empty() && r.name.rfind("defrag", 0) == 0) {
           print_history(r);
+          print_budget(r);
         }
       }
     }
@@ -526,6 +603,28 @@ int main(int argc, char** argv) {
                                             {"unsafe_other_pages", e.unsafe_other_pages}});
             }
             p["slack_history_dropped"] = r.history_dropped;
+            // Note [A history of the time budget]
+            p["costly_growths"] = nlohmann::json::array();
+            for (const CostlyGrowth& g : r.growths) {
+              p["costly_growths"].push_back({{"time_s", static_cast<double>(g.time_ns) / 1e9}, {"took_ns", g.took_ns},
+                                             {"waited_ns", g.waited_ns}, {"waits", g.waits},
+                                             {"pages_moved", g.pages_moved}, {"pages_created", g.pages_created},
+                                             {"stream", g.stream}, {"new_peak", g.new_peak}, {"pending", g.pending}});
+            }
+            p["costly_growths_dropped"] = r.growths_dropped;
+            p["budget_windows"] = nlohmann::json::array();
+            for (const BudgetWindow& w : r.windows) {
+              p["budget_windows"].push_back({{"open_s", static_cast<double>(w.open_ns) / 1e9},
+                                             {"close_s", static_cast<double>(w.close_ns) / 1e9},
+                                             {"growths", w.growths}, {"charged_ns", w.charged_ns},
+                                             {"waited_ns", w.waited_ns}, {"spent_ns", w.spent_ns},
+                                             {"allowed_ns", w.allowed_ns}, {"uncharged_waits", w.uncharged_waits},
+                                             {"uncharged_wait_ns", w.uncharged_wait_ns},
+                                             {"slack_after", w.slack_after},
+                                             {"close", std::string(window_close_id(w.close))},
+                                             {"verdict", std::string(window_verdict_id(w.verdict))}});
+            }
+            p["budget_windows_dropped"] = r.windows_dropped;
           }
           if (!r.phases.empty()) {
             p["phases"] = nlohmann::json::array();

@@ -617,6 +617,10 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
                                        e.parked_bytes, e.unsafe_pages, e.unsafe_other_pages});
     }
     r.history_dropped = a->policy().slack_events_dropped();
+    r.growths = a->policy().growth_history();  // Note [A history of the time budget]
+    r.growths_dropped = a->policy().growths_dropped();
+    r.windows = a->policy().window_history();
+    r.windows_dropped = a->policy().windows_dropped();
     if (d.beyond_slack_growths != 0) {  // Note [Why pages were created beyond the slack]
       const auto num = [](std::uint64_t x) { return std::to_string(x); };
       r.detail += "; " + num(d.beyond_slack_growths) + " growths created " + num(d.beyond_slack_pages) +

@@ -53,6 +53,7 @@
 #pragma once
 
 #include <cachealloc/allocator.h>
+#include <cachealloc/policies/defrag.h>
 #include <cachealloc/sim_backend.h>
 #include <cachealloc/trace/snapshot.h>
 
@@ -196,6 +197,12 @@ struct PolicyResult {
   std::string detail;           ///< the policy's own counters, in words (defrag), or empty
   std::vector<HistoryEvent> history;  ///< defrag: its slack's history, in order
   std::uint64_t history_dropped = 0;  ///< events after the first kSlackHistoryLength, only counted
+  /// defrag: its growths that moved pages or waited, and its move budget's windows (Note [A
+  /// history of the time budget]); times on the simulated host's clock.
+  std::vector<CostlyGrowth> growths;
+  std::uint64_t growths_dropped = 0;
+  std::vector<BudgetWindow> windows;
+  std::uint64_t windows_dropped = 0;
 };
 
 struct ReplayOptions {

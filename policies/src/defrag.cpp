@@ -834,6 +834,14 @@ const std::vector<SlackEvent>& DefragPolicy::slack_history() const noexcept {
 std::uint64_t DefragPolicy::slack_events_dropped() const noexcept {
   return engine_->slack_events_dropped();
 }
+const std::vector<CostlyGrowth>& DefragPolicy::growth_history() const noexcept {
+  return engine_->growth_history();
+}
+std::uint64_t DefragPolicy::growths_dropped() const noexcept { return engine_->growths_dropped(); }
+const std::vector<BudgetWindow>& DefragPolicy::window_history() const noexcept {
+  return engine_->window_history();
+}
+std::uint64_t DefragPolicy::windows_dropped() const noexcept { return engine_->windows_dropped(); }
 
 std::string DefragPolicy::report_json() const {
   std::string json = "{\"slack_history\": [";
@@ -855,8 +863,65 @@ std::string DefragPolicy::report_json() const {
     json += line;
     first = false;
   }
-  json += "], \"slack_history_dropped\": " + std::to_string(slack_events_dropped()) + "}";
+  json += "], \"slack_history_dropped\": " + std::to_string(slack_events_dropped());
+  // Note [A history of the time budget]
+  json += ", \"growths\": [";
+  first = true;
+  for (const CostlyGrowth& g : growth_history()) {
+    using ull = unsigned long long;
+    char line[320];
+    std::snprintf(line, sizeof line,
+                  "%s{\"time_ns\": %llu, \"took_ns\": %llu, \"waited_ns\": %llu, \"waits\": %u, "
+                  "\"pages_moved\": %u, \"pages_created\": %u, \"stream\": %llu, \"new_peak\": %s, "
+                  "\"pending\": %s}",
+                  first ? "" : ", ", static_cast<ull>(g.time_ns), static_cast<ull>(g.took_ns),
+                  static_cast<ull>(g.waited_ns), g.waits, g.pages_moved, g.pages_created,
+                  static_cast<ull>(g.stream), g.new_peak ? "true" : "false", g.pending ? "true" : "false");
+    json += line;
+    first = false;
+  }
+  json += "], \"growths_dropped\": " + std::to_string(growths_dropped()) + ", \"windows\": [";
+  first = true;
+  for (const BudgetWindow& w : window_history()) {
+    using ull = unsigned long long;
+    const std::string_view close = window_close_id(w.close);
+    const std::string_view verdict = window_verdict_id(w.verdict);
+    char line[512];
+    std::snprintf(line, sizeof line,
+                  "%s{\"open_ns\": %llu, \"close_ns\": %llu, \"growths\": %u, \"charged_ns\": %llu, "
+                  "\"waited_ns\": %llu, \"spent_ns\": %llu, \"allowed_ns\": %llu, "
+                  "\"uncharged_waits\": %u, \"uncharged_wait_ns\": %llu, \"slack_after\": %.9g, "
+                  "\"close\": \"%.*s\", \"verdict\": \"%.*s\"}",
+                  first ? "" : ", ", static_cast<ull>(w.open_ns), static_cast<ull>(w.close_ns), w.growths,
+                  static_cast<ull>(w.charged_ns), static_cast<ull>(w.waited_ns), static_cast<ull>(w.spent_ns),
+                  static_cast<ull>(w.allowed_ns), w.uncharged_waits, static_cast<ull>(w.uncharged_wait_ns),
+                  w.slack_after, static_cast<int>(close.size()), close.data(), static_cast<int>(verdict.size()),
+                  verdict.data());
+    json += line;
+    first = false;
+  }
+  json += "], \"windows_dropped\": " + std::to_string(windows_dropped()) + "}";
   return json;
+}
+
+std::string_view window_close_id(BudgetWindow::Close close) noexcept {
+  switch (close) {
+    case BudgetWindow::Close::full: return "full";
+    case BudgetWindow::Close::early: return "early";
+    case BudgetWindow::Close::aged: return "aged";
+  }
+  return "unknown";
+}
+
+std::string_view window_verdict_id(BudgetWindow::Verdict verdict) noexcept {
+  switch (verdict) {
+    case BudgetWindow::Verdict::within: return "within";
+    case BudgetWindow::Verdict::raised: return "raised";
+    case BudgetWindow::Verdict::switched: return "switched";
+    case BudgetWindow::Verdict::top_at_limit: return "top_at_limit";
+    case BudgetWindow::Verdict::over: return "over";
+  }
+  return "unknown";
 }
 
 std::string_view slack_event_id(SlackEvent::Kind kind) noexcept {

@@ -255,6 +255,10 @@ class alignas(64) DefragEngine {
   [[nodiscard]] const DefragSettings& settings() const noexcept { return settings_; }
   [[nodiscard]] const std::vector<SlackEvent>& slack_history() const noexcept { return history_; }
   [[nodiscard]] std::uint64_t slack_events_dropped() const noexcept { return history_dropped_; }
+  [[nodiscard]] const std::vector<CostlyGrowth>& growth_history() const noexcept { return growths_; }
+  [[nodiscard]] std::uint64_t growths_dropped() const noexcept { return growths_dropped_; }
+  [[nodiscard]] const std::vector<BudgetWindow>& window_history() const noexcept { return windows_; }
+  [[nodiscard]] std::uint64_t windows_dropped() const noexcept { return windows_dropped_; }
 
  private:
   static constexpr std::uint32_t kLarge = 0;
@@ -552,6 +556,17 @@ class alignas(64) DefragEngine {
                         std::uint64_t pages = 0) noexcept;
   std::vector<SlackEvent> history_;
   std::uint64_t history_dropped_ = 0;
+  /// Note [A history of the time budget]: costly growths, judged windows, and the waits of
+  /// uncharged (new-peak) growths while the window is open.
+  void note_costly_growth(const CostlyGrowth& g) noexcept;
+  void note_window(BudgetWindow::Close close, BudgetWindow::Verdict verdict, std::uint64_t close_ns,
+                   double allowed) noexcept;
+  std::vector<CostlyGrowth> growths_;
+  std::uint64_t growths_dropped_ = 0;
+  std::vector<BudgetWindow> windows_;
+  std::uint64_t windows_dropped_ = 0;
+  std::uint32_t window_uncharged_waits_ = 0;
+  std::uint64_t window_uncharged_wait_ns_ = 0;
 
   std::vector<Chunk> scratch_;
   /// Note [Coalescing moved chunks while maps are dear]: the moving average of a handle's map

@@ -430,6 +430,7 @@ Node* DefragEngine::grow(std::uint32_t kind, std::uint32_t cls, std::size_t size
     coalescing_ = settings_.coalesce_map_ns == 0 ||
                   map_ns_per_handle_ > static_cast<double>(settings_.coalesce_map_ns);
     const std::uint64_t moved_before = counters_.pages_moved;
+    const std::uint64_t created_before = counters_.pages_created;
     const std::uint64_t waits_before = counters_.stream_waits;
     const std::uint64_t wait_ns_before = counters_.wait_ns;
     const std::uint64_t started = backend_.clock_ns();
@@ -516,11 +517,22 @@ Node* DefragEngine::grow(std::uint32_t kind, std::uint32_t cls, std::size_t size
     }
     counters_.pages_mapped += mapped;
     scratch_.clear();
-    if (!new_peak &&
-        (counters_.pages_moved != moved_before || counters_.stream_waits != waits_before)) {
+    if (counters_.pages_moved != moved_before || counters_.stream_waits != waits_before) {
       const std::uint64_t now = backend_.clock_ns();
-      note_move_time(now, now > started ? now - started : 0, counters_.wait_ns - wait_ns_before);
-      last_move_ns_ = now;
+      const std::uint64_t waited = counters_.wait_ns - wait_ns_before;
+      const auto waits = static_cast<std::uint32_t>(counters_.stream_waits - waits_before);
+      // Note [A history of the time budget]
+      note_costly_growth(CostlyGrowth{now, now > started ? now - started : 0, waited, waits,
+                                      static_cast<std::uint32_t>(counters_.pages_moved - moved_before),
+                                      static_cast<std::uint32_t>(counters_.pages_created - created_before),
+                                      streams_[cls].id, new_peak, settings_.move_pending || pending_mode_});
+      if (!new_peak) {
+        note_move_time(now, now > started ? now - started : 0, waited);
+        last_move_ns_ = now;
+      } else if (waits != 0 && budget_open_) {
+        window_uncharged_waits_ += waits;
+        window_uncharged_wait_ns_ += waited;
+      }
     }
     f = make_fresh(hole, map_at, map_at + mapped * page_, cls, below);
   }
@@ -989,6 +1001,56 @@ void DefragEngine::note_slack_event(SlackEvent::Kind kind, double before, double
   }
 }
 
+// Note [A history of the time budget]
+// The slack's history (above) says when the budget raised the slack or switched the policy to
+// moving pending, not what the budget saw before: how many growths a window held, how long it
+// stayed open, how much of its time was waiting, what the bank paid, and the waits of growths
+// at a new peak that no window charges. Session 44 rebuilt the policy with prints to find out
+// why offload_train waited 16 times in one step before switching (a window judges waits at the
+// stretched pace of its moves and stayed open for its full second). So the policy keeps them:
+// every growth that moved pages or waited (CostlyGrowth, the first kGrowthHistoryLength), and
+// every window it judged, with why it closed and its verdict (BudgetWindow, the first
+// kWindowHistoryLength). Appended on growths that already made device calls, so the cost is
+// nothing beside them. cachealloc-replay --explain prints them, policy_report() returns them,
+// and bench/e2e/run_e2e.py places them in the job's steps.
+void DefragEngine::note_costly_growth(const CostlyGrowth& g) noexcept {
+  if (growths_.size() >= kGrowthHistoryLength) {
+    ++growths_dropped_;
+    return;
+  }
+  try {
+    growths_.push_back(g);
+  } catch (...) {  // out of host memory: a diagnostic, the allocation goes on
+    ++growths_dropped_;
+  }
+}
+
+void DefragEngine::note_window(BudgetWindow::Close close, BudgetWindow::Verdict verdict,
+                               std::uint64_t close_ns, double allowed) noexcept {
+  if (windows_.size() >= kWindowHistoryLength) {
+    ++windows_dropped_;
+    return;
+  }
+  BudgetWindow w;
+  w.open_ns = budget_start_ns_;
+  w.close_ns = close_ns;
+  w.growths = static_cast<std::uint32_t>(budget_moves_);
+  w.charged_ns = budget_raw_ns_;
+  w.waited_ns = budget_wait_ns_;
+  w.spent_ns = budget_spent_ns_;
+  w.allowed_ns = static_cast<std::uint64_t>(allowed);
+  w.uncharged_waits = window_uncharged_waits_;
+  w.uncharged_wait_ns = window_uncharged_wait_ns_;
+  w.slack_after = slack_;
+  w.close = close;
+  w.verdict = verdict;
+  try {
+    windows_.push_back(w);
+  } catch (...) {
+    ++windows_dropped_;
+  }
+}
+
 // Note [A time budget for moves]
 // Counting moves per allocation (above) misses jobs whose steps are long or whose moves are
 // few but large. On the H200 (bench/e2e, grow_slack 0.01) the two-stream pipeline moved about
@@ -1081,6 +1143,8 @@ void DefragEngine::note_move_time(std::uint64_t now_ns, std::uint64_t spent_ns,
     budget_moves_ = 0;
     budget_wait_ns_ = 0;
     budget_raw_ns_ = 0;
+    window_uncharged_waits_ = 0;
+    window_uncharged_wait_ns_ = 0;
   }
   budget_raw_ns_ += charged_ns;
   budget_wait_ns_ += std::min(waited_ns, charged_ns);
@@ -1101,6 +1165,11 @@ void DefragEngine::note_move_time(std::uint64_t now_ns, std::uint64_t spent_ns,
   }
   const double allowed = settings_.move_budget * static_cast<double>(elapsed);
   const bool over_budget = static_cast<double>(budget_spent_ns_) > allowed;
+  const BudgetWindow::Close close = over_anyway ? BudgetWindow::Close::early
+                                    : elapsed >= kBudgetMinWindowNs && budget_moves_ >= kMoveWindow
+                                        ? BudgetWindow::Close::full
+                                        : BudgetWindow::Close::aged;
+  BudgetWindow::Verdict verdict = over_budget ? BudgetWindow::Verdict::over : BudgetWindow::Verdict::within;
   if (over_budget && !pending_mode_ && settings_.pending_on_waits && settings_.wait_for_streams &&
       vm_.unmaps_after_streams() &&
       10 * budget_wait_ns_ > kPendingWaitTenths * budget_raw_ns_) {
@@ -1109,7 +1178,9 @@ void DefragEngine::note_move_time(std::uint64_t now_ns, std::uint64_t spent_ns,
     pending_mode_ = true;
     counters_.pending_switches = 1;
     note_slack_event(SlackEvent::Kind::pending_switch, slack_, slack_);
+    verdict = BudgetWindow::Verdict::switched;
   } else if (over_budget && slack_ < settings_.max_grow_slack) {
+    verdict = BudgetWindow::Verdict::raised;
     // Over the budget by a factor f: the slack grows by f / 4 (2 to 16), not by 2 whatever f
     // was. A job far over it reaches the slack that stops its moves within a window or two
     // instead of one doubling per window (Note [How fast the slack rises]).
@@ -1132,7 +1203,9 @@ void DefragEngine::note_move_time(std::uint64_t now_ns, std::uint64_t spent_ns,
     // Note [Growing at the top once moves cost too much at the limit]
     over_at_limit_ = true;
     note_slack_event(SlackEvent::Kind::top_at_limit, slack_, slack_);
+    verdict = BudgetWindow::Verdict::top_at_limit;
   }
+  note_window(close, verdict, now_ns, allowed);
   budget_open_ = false;
 }
 

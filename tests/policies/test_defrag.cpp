@@ -1902,6 +1902,65 @@ void check_history(CachingAllocator<DefragPolicy>& a) {
   CHECK(beyond == c.beyond_slack_growths);
   CHECK(beyond_pages == c.beyond_slack_pages);
 }
+
+/// Note [A history of the time budget]: every costly growth and every window judged is kept
+/// (none dropped here), and they agree with the counters and the slack's history: the growths'
+/// waits and moved pages add up to the counters, each window's verdict matches its figures, and
+/// the windows over the budget are the raises on time, the switch and the move to the top.
+void check_budget_history(CachingAllocator<DefragPolicy>& a) {
+  const DefragPolicy& p = a.policy();
+  const DefragCounters c = p.counters();
+  REQUIRE(p.growths_dropped() == 0);
+  REQUIRE(p.windows_dropped() == 0);
+  std::uint64_t waits = 0, waited_ns = 0, moved = 0, last_ns = 0, charged_growths = 0;
+  for (const CostlyGrowth& g : p.growth_history()) {
+    CHECK(g.time_ns >= last_ns);
+    CHECK((g.waits != 0 || g.pages_moved != 0));
+    CHECK(g.waited_ns <= g.took_ns);
+    waits += g.waits;
+    waited_ns += g.waited_ns;
+    moved += g.pages_moved;
+    charged_growths += g.new_peak ? 0 : 1;
+    last_ns = g.time_ns;
+  }
+  CHECK(waits == c.stream_waits);
+  CHECK(waited_ns == c.wait_ns);
+  CHECK(moved == c.pages_moved);
+  std::uint64_t raised = 0, switched = 0, top = 0, in_windows = 0;
+  last_ns = 0;
+  for (const BudgetWindow& w : p.window_history()) {
+    INFO("window " << w.open_ns << " -> " << w.close_ns << " ns: " << w.growths << " growths, spent "
+                   << w.spent_ns << " of " << w.charged_ns << " ns, allowed " << w.allowed_ns << ", "
+                   << window_close_id(w.close) << ", " << window_verdict_id(w.verdict));
+    CHECK(w.open_ns >= last_ns);
+    CHECK(w.close_ns >= w.open_ns);
+    CHECK(w.growths >= 1);
+    CHECK(w.waited_ns <= w.charged_ns);
+    CHECK(w.spent_ns <= w.charged_ns);
+    const double allowed = p.settings().move_budget * static_cast<double>(w.close_ns - w.open_ns);
+    CHECK(static_cast<double>(w.allowed_ns) == Approx(allowed).margin(1.0));
+    if (w.verdict == BudgetWindow::Verdict::within) {
+      CHECK(static_cast<double>(w.spent_ns) <= allowed);
+    } else {
+      CHECK(static_cast<double>(w.spent_ns) > allowed);
+    }
+    raised += w.verdict == BudgetWindow::Verdict::raised ? 1 : 0;
+    switched += w.verdict == BudgetWindow::Verdict::switched ? 1 : 0;
+    top += w.verdict == BudgetWindow::Verdict::top_at_limit ? 1 : 0;
+    in_windows += w.growths;
+    last_ns = w.close_ns;
+  }
+  CHECK(raised == c.budget_raises);
+  CHECK(switched == c.pending_switches);
+  std::uint64_t top_events = 0;
+  for (const SlackEvent& e : p.slack_history()) {
+    top_events += e.kind == SlackEvent::Kind::top_at_limit ? 1 : 0;
+  }
+  CHECK(top == top_events);
+  // Each charged growth falls in one window, except those of the window still open.
+  CHECK(in_windows <= charged_growths);
+  CHECK(charged_growths - in_windows < 8);
+}
 }  // namespace
 
 TEST_CASE("defrag: the slack's history tells its whole path, in step with the counters",
@@ -1919,11 +1978,16 @@ TEST_CASE("defrag: the slack's history tells its whole path, in step with the co
     REQUIRE(c.budget_raises >= 1);
     REQUIRE(c.slack_returns >= 1);
     check_history(w.allocator());
+    check_budget_history(w.allocator());
   }
   {
     Workload w("", 2'000, 2'000'000);
     random_shape_job(w, 60, [](int) {});
     check_history(w.allocator());
+    check_budget_history(w.allocator());
+    const DefragCounters c = w.allocator().policy().counters();
+    INFO(c.stream_waits << " waits, " << c.pending_switches << " switches");
+    CHECK(c.stream_waits > 0);  // the budget history above saw waits, not only moves
   }
 }
 

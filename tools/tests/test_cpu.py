@@ -752,6 +752,44 @@ def test_e2e_report_shows_defrag_slack_path(tmp_path):
             "2 growths beyond the slack, 8 pages, the last at 5.00 s") in md, md
 
 
+def test_e2e_report_places_defrag_budget_in_steps(tmp_path):
+    """--report-from: policy defrag's move budget over each run (Note [A history of the time
+    budget]): its stream waits by measured step (warm-up as w) and each window judged over the
+    budget, placed in the step it closed in, from the histories policy_report() gives."""
+    MiB = 1 << 20
+    t0 = 10_000_000_000  # the first measured step starts here; steps of 10 ms
+
+    def growth(t_ms, waits, waited_ms):
+        return {"time_ns": t0 + int(t_ms * 1e6), "took_ns": int((waited_ms + 1) * 1e6),
+                "waited_ns": int(waited_ms * 1e6), "waits": waits, "pages_moved": 2, "pages_created": 0,
+                "stream": 0, "new_peak": False, "pending": False}
+
+    def window(open_ms, close_ms, verdict, close="aged", growths=3, waited_ms=6.0, charged_ms=8.0):
+        return {"open_ns": t0 + int(open_ms * 1e6), "close_ns": t0 + int(close_ms * 1e6), "growths": growths,
+                "charged_ns": int(charged_ms * 1e6), "waited_ns": int(waited_ms * 1e6), "spent_ns": int(charged_ms * 1e6),
+                "allowed_ns": 100_000, "uncharged_waits": 0, "uncharged_wait_ns": 0, "slack_after": 0.01,
+                "close": close, "verdict": verdict}
+
+    growths = [growth(-5, 1, 2.0), growth(3, 0, 0.0), growth(12, 2, 4.0), growth(15, 1, 1.5)]
+    windows = [window(-20, -1, "within", close="full", growths=8, waited_ms=0.0),
+               window(-5, 15, "switched", growths=3, waited_ms=7.5, charged_ms=10.0)]
+    run = {"workload": "offload_train", "config": "cachealloc:defrag", "rep": 0, "steps": 3, "warmup": 1,
+           "ok": True, "median_step_s": 0.01, "step_s": [0.01] * 3, "peak_bytes": 3 << 30,
+           "allocator_ns_per_step": 100_000.0, "allocator_pct_of_step": 1.0,
+           "step_start_ns": [t0, t0 + 10_000_000, t0 + 20_000_000],
+           "defrag_costly_growths": growths, "defrag_budget_windows": windows}
+    md = _e2e_report(tmp_path, [run], [1, 3])
+    assert ("- cachealloc:defrag, its move budget in each run (stream waits by measured step, w = warm-up; "
+            "each window over the budget: the step it closed in, its charged growths, the waits' share of their "
+            "time, how long it was open, why it closed and the verdict): run 1: waits step w: 1 (2.0 ms), "
+            "step 1: 2 (5.5 ms); 2 windows, 1 over the budget: step 1: 3 growths, 75% waiting, open 20 ms, "
+            "aged -> switched") in md, md
+    del run["step_start_ns"]  # results of runs before the histories: no line, no error
+    md = _e2e_report(tmp_path, [run], [1, 3])
+    assert "its move budget in each run" not in md, md
+    assert MiB
+
+
 def test_e2e_report_splits_long_runs_in_thirds(tmp_path):
     """--report-from: a run of 30 measured steps or more gets the allocator's share of each third
     of its steps (and the device calls in it), so a policy that is still adapting in its first

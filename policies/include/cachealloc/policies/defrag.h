@@ -273,6 +273,60 @@ inline constexpr std::size_t kSlackHistoryLength = 512;
 /// cachealloc-replay --json.
 [[nodiscard]] std::string_view slack_event_id(SlackEvent::Kind kind) noexcept;
 
+/// One growth that moved pages or waited for a stream: the policy keeps the first
+/// kGrowthHistoryLength of them (DefragPolicy::growth_history(); Note [A history of the time
+/// budget], defrag_grow.cpp).
+struct CostlyGrowth {
+  std::uint64_t time_ns = 0;    ///< when it ended, on the backend's clock
+  std::uint64_t took_ns = 0;    ///< its whole time: waits, unmaps, creates and maps
+  std::uint64_t waited_ns = 0;  ///< of which waiting for streams
+  std::uint32_t waits = 0;      ///< stream waits in it
+  std::uint32_t pages_moved = 0;
+  std::uint32_t pages_created = 0;
+  StreamId stream = 0;          ///< the allocating stream
+  /// It reached a new peak of live bytes: not charged to the move budget (Note [A time budget
+  /// for moves]).
+  bool new_peak = false;
+  bool pending = false;  ///< the policy moved pending then (Note [Waits that switch to moving pending])
+};
+inline constexpr std::size_t kGrowthHistoryLength = 4096;
+
+/// One window of the move budget, judged (Note [A time budget for moves], Note [Judging a window
+/// before it is full]): the policy keeps the first kWindowHistoryLength of them
+/// (DefragPolicy::window_history(); Note [A history of the time budget], defrag_grow.cpp).
+struct BudgetWindow {
+  enum class Close : std::uint8_t {
+    full,   ///< kMoveWindow charged growths over at least kBudgetMinWindowNs
+    early,  ///< over the budget even if the growths still missing cost nothing
+    aged,   ///< open for kBudgetMaxWindowNs
+  };
+  enum class Verdict : std::uint8_t {
+    within,        ///< within the budget: nothing changes
+    raised,        ///< over it: the slack rose (a time_raise in the slack's history)
+    switched,      ///< over it, much of it waiting: moving pending from then on
+    top_at_limit,  ///< over it at the slack's limit: growths at the top from then on
+    over,          ///< over it, with nothing left to change
+  };
+  std::uint64_t open_ns = 0;   ///< when its first charged growth began
+  std::uint64_t close_ns = 0;  ///< when its last one ended
+  std::uint32_t growths = 0;   ///< charged growths in it
+  std::uint64_t charged_ns = 0;  ///< their time
+  std::uint64_t waited_ns = 0;   ///< of which waiting for streams
+  std::uint64_t spent_ns = 0;    ///< what the budget counted: charged_ns less what the bank paid
+  std::uint64_t allowed_ns = 0;  ///< move_budget x (close_ns - open_ns)
+  /// Waits of growths at a new peak of live bytes while it was open (not charged).
+  std::uint32_t uncharged_waits = 0;
+  std::uint64_t uncharged_wait_ns = 0;
+  double slack_after = 0.0;
+  Close close = Close::full;
+  Verdict verdict = Verdict::within;
+};
+inline constexpr std::size_t kWindowHistoryLength = 1024;
+/// Their identifiers in JSON and in cachealloc-replay --explain ("full", "early", "aged";
+/// "within", "raised", "switched", "top_at_limit", "over").
+[[nodiscard]] std::string_view window_close_id(BudgetWindow::Close close) noexcept;
+[[nodiscard]] std::string_view window_verdict_id(BudgetWindow::Verdict verdict) noexcept;
+
 /// Where the physical memory held goes (DefragPolicy::breakdown(), O(ranges)).
 struct DefragBreakdown {
   std::size_t live_bytes = 0;         ///< bytes of live blocks
@@ -357,8 +411,17 @@ class DefragPolicy {
   /// many came after them (Note [A history of the slack], defrag_grow.cpp).
   [[nodiscard]] const std::vector<SlackEvent>& slack_history() const noexcept;
   [[nodiscard]] std::uint64_t slack_events_dropped() const noexcept;
+  /// Note [A history of the time budget]: the growths that moved pages or waited, and the move
+  /// budget's windows with their verdicts (the first kGrowthHistoryLength / kWindowHistoryLength;
+  /// later ones only counted).
+  [[nodiscard]] const std::vector<CostlyGrowth>& growth_history() const noexcept;
+  [[nodiscard]] std::uint64_t growths_dropped() const noexcept;
+  [[nodiscard]] const std::vector<BudgetWindow>& window_history() const noexcept;
+  [[nodiscard]] std::uint64_t windows_dropped() const noexcept;
   /// {"slack_history": [{"event": "time_raise", "time_ns": ..., "slack_before": ..., ...}, ...],
-  /// "slack_history_dropped": n}: the front end's policy_report_json().
+  /// "slack_history_dropped": n, "growths": [{"time_ns": ..., "took_ns": ..., "waited_ns": ...,
+  /// ...}, ...], "growths_dropped": n, "windows": [{"open_ns": ..., "verdict": "raised", ...},
+  /// ...], "windows_dropped": n}: the front end's policy_report_json().
   [[nodiscard]] std::string report_json() const;
 
   /// Parses the keys of config_keys() from `config` (marking them used).
