@@ -497,7 +497,14 @@ def policy_report(device: DeviceLike = None) -> dict[str, Any]:
     ``{"event": "count_raise" | "time_raise" | "return_raise" | "returned" | "pending_switch" |
     "top_at_limit" | "beyond_slack", "time_ns", "slack_before", "slack_after", "live_bytes", "peak_live_bytes",
     "reserved_bytes", "pages"}`` (why the job holds what it holds beyond its live peak), and
-    ``slack_history_dropped``. Other policies, and a device not used yet: ``{}``. Needs the
+    ``slack_history_dropped``; ``growths``: the first 4,096 growths that moved pages or waited for
+    a stream, each ``{"time_ns", "took_ns", "waited_ns", "waits", "pages_moved", "pages_created",
+    "stream", "new_peak", "pending"}``, and ``windows``: the first 1,024 windows its move budget
+    judged, each ``{"open_ns", "close_ns", "growths", "charged_ns", "waited_ns", "spent_ns",
+    "allowed_ns", "uncharged_waits", "uncharged_wait_ns", "slack_after", "close": "full" | "early" |
+    "aged", "verdict": "within" | "raised" | "switched" | "top_at_limit" | "over"}`` (times on
+    CLOCK_MONOTONIC, as ``time.monotonic_ns()``), with ``growths_dropped`` and ``windows_dropped``.
+    Other policies, and a device not used yet: ``{}``. Needs the
     pluggable allocator (``enable()``); raises RuntimeError with the LibTorch adapter or when
     cachealloc is not enabled."""
     if not is_enabled() or _full:

@@ -522,6 +522,25 @@ def test_replay_explain_prints_defrag_slack_history(tmp_path):
     assert {e["label"] for e in beyond} == {"pages created beyond the slack"}
     assert beyond and all(e["pages"] > 0 for e in beyond)
     assert [e["time_s"] for e in history] == sorted(e["time_s"] for e in history)
+    # Note [A history of the time budget]: the windows over the budget and the growths that
+    # waited, a line each (up to 40), in step with --json's budget_windows and costly_growths.
+    windows = policies["defrag"]["budget_windows"]
+    growths = policies["defrag"]["costly_growths"]
+    assert "budget_windows" not in policies["size_class"]
+    over = [w for w in windows if w["verdict"] != "within"]
+    assert any(w["verdict"] == "switched" for w in over), windows  # the switch in the history above
+    assert all(w["spent_ns"] > w["allowed_ns"] for w in over)
+    summary = [line for line in lines if line.startswith("  defrag: ") and "windows of the move budget judged" in line]
+    assert summary == [f"  defrag: {len(windows)} windows of the move budget judged, "
+                       f"{len(windows) - len(over)} within it, {len(over)} over"], r.stdout
+    waited = [g for g in growths if g["waits"] > 0]
+    wait_lines = [line for line in lines if line.startswith("    ") and " wait" in line and " moved, " in line]
+    assert len(wait_lines) == min(len(waited), 40) > 0, r.stdout
+    assert any(line.endswith(f"{len(waited)} of {len(growths)} growths that moved pages or waited waited, "
+                             f"{sum(g['waited_ns'] for g in waited) / 1e6:.2f} ms in all; "
+                             f"{sum(1 for g in waited if g['new_peak'])} of them at a new peak "
+                             f"({sum(g['waited_ns'] for g in waited if g['new_peak']) / 1e6:.2f} ms)")
+               for line in lines), r.stdout
 
 
 def test_replay_stream_lags_and_the_live_plus_pending_floor(tmp_path):
