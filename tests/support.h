@@ -25,6 +25,17 @@ inline std::vector<std::string> policy_names() {
   return names;
 }
 
+/// A counter of Stats::policy_counters by name ("defrag.pages_moved", "memo.served", ...), -1
+/// when the allocator does not report it.
+inline std::int64_t policy_counter(const Stats& s, const std::string& name) {
+  for (const auto& [k, v] : s.policy_counters) {
+    if (k == name) {
+      return v;
+    }
+  }
+  return -1;
+}
+
 /// Every figure of two Stat agrees: current, peak and the cumulative increases and decreases.
 inline void check_same_stat(const char* what, const Stat& a, const Stat& b) {
   INFO(what);

@@ -987,18 +987,28 @@ void DefragEngine::raise_slack_to(SlackEvent::Kind why, double slack) noexcept {
 // keeps them: the first kSlackHistoryLength events (a job's decisive moments come early; later
 // ones are only counted), 32 KiB at most, appended on these rare paths only.
 // cachealloc-replay --explain prints them.
-void DefragEngine::note_slack_event(SlackEvent::Kind kind, double before, double after,
-                                    std::uint64_t pages) noexcept {
-  if (history_.size() >= kSlackHistoryLength) {
-    ++history_dropped_;
+namespace {
+/// Appends `entry` to a diagnostic history that keeps its first `length` entries; later ones,
+/// and any the host has no memory for, are only counted (the allocation goes on either way).
+template <class T>
+void keep_first(std::vector<T>& history, std::uint64_t& dropped, std::size_t length, const T& entry) noexcept {
+  if (history.size() >= length) {
+    ++dropped;
     return;
   }
   try {
-    history_.push_back(SlackEvent{kind, backend_.clock_ns(), before, after, live_bytes_, peak_live_,
-                                  reserved_bytes(), pages, parked_bytes_});
-  } catch (...) {  // out of host memory: the history is a diagnostic, the allocation goes on
-    ++history_dropped_;
+    history.push_back(entry);
+  } catch (...) {  // out of host memory
+    ++dropped;
   }
+}
+}  // namespace
+
+void DefragEngine::note_slack_event(SlackEvent::Kind kind, double before, double after,
+                                    std::uint64_t pages) noexcept {
+  keep_first(history_, history_dropped_, kSlackHistoryLength,
+             SlackEvent{kind, backend_.clock_ns(), before, after, live_bytes_, peak_live_, reserved_bytes(),
+                        pages, parked_bytes_});
 }
 
 // Note [A history of the time budget]
@@ -1014,23 +1024,11 @@ void DefragEngine::note_slack_event(SlackEvent::Kind kind, double before, double
 // nothing beside them. cachealloc-replay --explain prints them, policy_report() returns them,
 // and bench/e2e/run_e2e.py places them in the job's steps.
 void DefragEngine::note_costly_growth(const CostlyGrowth& g) noexcept {
-  if (growths_.size() >= kGrowthHistoryLength) {
-    ++growths_dropped_;
-    return;
-  }
-  try {
-    growths_.push_back(g);
-  } catch (...) {  // out of host memory: a diagnostic, the allocation goes on
-    ++growths_dropped_;
-  }
+  keep_first(growths_, growths_dropped_, kGrowthHistoryLength, g);
 }
 
 void DefragEngine::note_window(BudgetWindow::Close close, BudgetWindow::Verdict verdict,
                                std::uint64_t close_ns, double allowed) noexcept {
-  if (windows_.size() >= kWindowHistoryLength) {
-    ++windows_dropped_;
-    return;
-  }
   BudgetWindow w;
   w.open_ns = budget_start_ns_;
   w.close_ns = close_ns;
@@ -1044,11 +1042,7 @@ void DefragEngine::note_window(BudgetWindow::Close close, BudgetWindow::Verdict 
   w.slack_after = slack_;
   w.close = close;
   w.verdict = verdict;
-  try {
-    windows_.push_back(w);
-  } catch (...) {
-    ++windows_dropped_;
-  }
+  keep_first(windows_, windows_dropped_, kWindowHistoryLength, w);
 }
 
 // Note [A time budget for moves]

@@ -23,15 +23,6 @@ using namespace cachealloc;
 
 namespace {
 
-std::int64_t counter(const Stats& s, const std::string& name) {
-  for (const auto& [k, v] : s.policy_counters) {
-    if (k == name) {
-      return v;
-    }
-  }
-  return -1;
-}
-
 struct Twins {
   Twins(const std::string& policy, const std::string& conf) {
     const auto make = [&](const std::string& c) {
@@ -108,10 +99,10 @@ TEST_CASE("defer_frees: every address, statistic and invariant as without it, fo
   for (std::uint64_t seed = 1; seed <= 6; ++seed) {
     Twins t(policy, conf);
     run_random(t, seed, 3000);
-    const std::int64_t deferred = counter(t.deferring->stats(), "front.deferred_frees");
+    const std::int64_t deferred = test::policy_counter(t.deferring->stats(), "front.deferred_frees");
     INFO(deferred << " frees deferred");
     CHECK(deferred > 0);  // the twins did differ in how they got there
-    CHECK(counter(t.plain->stats(), "front.deferred_frees") == -1);
+    CHECK(test::policy_counter(t.plain->stats(), "front.deferred_frees") == -1);
   }
 }
 
@@ -129,7 +120,7 @@ TEST_CASE("defer_frees: a double free and a foreign pointer are refused as witho
   t.deferring->deallocate(b);
   const Stats s = t.deferring->stats();
   CHECK(s.allocated_bytes.current == 0);
-  CHECK(counter(s, "front.deferred_frees") == 2);
+  CHECK(test::policy_counter(s, "front.deferred_frees") == 2);
   t.deferring->check_invariants();
   t.deferring->empty_cache();
   CHECK(t.deferring->stats().reserved_bytes.current == 0);

@@ -70,15 +70,6 @@ std::vector<StepOp> make_step(std::mt19937_64& rng, std::size_t layers, std::siz
   return ops;
 }
 
-std::int64_t counter(const Stats& s, const std::string& name) {
-  for (const auto& [k, v] : s.policy_counters) {
-    if (k == name) {
-      return v;
-    }
-  }
-  return -1;
-}
-
 /// The same calls into the allocator under test (memo on, the default) and a twin with the
 /// memo off; every address and every statistic must agree.
 class Twins {
@@ -115,7 +106,7 @@ class Twins {
     plain_->check_invariants();
   }
   [[nodiscard]] std::int64_t memo(const std::string& name) const {
-    return counter(memo_->stats(), "memo." + name);
+    return test::policy_counter(memo_->stats(), "memo." + name);
   }
   DeviceAllocator& with_memo() { return *memo_; }
   DeviceAllocator& without() { return *plain_; }
@@ -336,7 +327,7 @@ TEST_CASE("step memo: never with two streams, nor for a policy that cannot repea
                   ConfigError);
   Config off = Config::parse("");
   CachingAllocator<SizeClassPolicy> sc(std::make_unique<SimBackend>(SimOptions{}), off);
-  CHECK(counter(sc.stats(), "memo.served") == -1);  // no memo, no counters
+  CHECK(test::policy_counter(sc.stats(), "memo.served") == -1);  // no memo, no counters
 }
 
 TEST_CASE("step memo: randomized steps, changes and queries, compared call by call",

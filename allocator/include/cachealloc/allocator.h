@@ -505,8 +505,7 @@ class CachingAllocator final : public DeviceAllocator {
     }
     if (e.other_streams == nullptr && defer_frees_ && !memo_learning_ && !observer_) {
       // Note [Frees handed over at the next allocation]
-      active_freed_bytes_ += static_cast<std::int64_t>(e.block.size);
-      ++active_freed_count_;
+      count_freed(e.block);
       deferred_[deferred_count_++] = DeferredFree{e.block, e.stream};
       ++deferred_total_;
       if (deferred_count_ == kDeferredFrees) {
@@ -1233,9 +1232,14 @@ class CachingAllocator final : public DeviceAllocator {
     }
   }
 
-  void complete_free(const Block& block, std::size_t requested, StreamId stream, bool settled = false) {
+  /// A block no longer active: the tallies every completed free updates, deferred or not.
+  void count_freed(const Block& block) noexcept {
     active_freed_bytes_ += static_cast<std::int64_t>(block.size);
     ++active_freed_count_;
+  }
+
+  void complete_free(const Block& block, std::size_t requested, StreamId stream, bool settled = false) {
+    count_freed(block);
     if constexpr (kTakesSettled) {
       if (settled) {
         policy_.deallocate_settled(block, stream);
