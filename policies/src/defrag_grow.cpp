@@ -526,6 +526,7 @@ Node* DefragEngine::grow(std::uint32_t kind, std::uint32_t cls, std::size_t size
                                       static_cast<std::uint32_t>(counters_.pages_moved - moved_before),
                                       static_cast<std::uint32_t>(counters_.pages_created - created_before),
                                       streams_[cls].id, new_peak, settings_.move_pending || pending_mode_});
+      counters_.move_ns += now > started ? now - started : 0;  // every costly growth, charged or not
       if (!new_peak) {
         note_move_time(now, now > started ? now - started : 0, waited);
         last_move_ns_ = now;
@@ -1114,7 +1115,6 @@ void DefragEngine::note_window(BudgetWindow::Close close, BudgetWindow::Verdict 
 // calls apart, once per step) still never raises the slack, as it must not.
 void DefragEngine::note_move_time(std::uint64_t now_ns, std::uint64_t spent_ns,
                                   std::uint64_t waited_ns) noexcept {
-  counters_.move_ns += spent_ns;
   const std::uint64_t charged_ns = spent_ns;  // before the bank pays part of it
   if (settings_.move_budget >= 1.0) {
     return;

@@ -1912,19 +1912,23 @@ void check_budget_history(CachingAllocator<DefragPolicy>& a) {
   const DefragCounters c = p.counters();
   REQUIRE(p.growths_dropped() == 0);
   REQUIRE(p.windows_dropped() == 0);
-  std::uint64_t waits = 0, waited_ns = 0, moved = 0, last_ns = 0, charged_growths = 0;
+  std::uint64_t waits = 0, waited_ns = 0, took_ns = 0, moved = 0, last_ns = 0, charged_growths = 0;
   for (const CostlyGrowth& g : p.growth_history()) {
     CHECK(g.time_ns >= last_ns);
     CHECK((g.waits != 0 || g.pages_moved != 0));
     CHECK(g.waited_ns <= g.took_ns);
     waits += g.waits;
     waited_ns += g.waited_ns;
+    took_ns += g.took_ns;
     moved += g.pages_moved;
     charged_growths += g.new_peak ? 0 : 1;
     last_ns = g.time_ns;
   }
   CHECK(waits == c.stream_waits);
   CHECK(waited_ns == c.wait_ns);
+  // move_ns is every costly growth's time, at a new peak too (the waits are part of it).
+  CHECK(took_ns == c.move_ns);
+  CHECK(c.wait_ns <= c.move_ns);
   CHECK(moved == c.pages_moved);
   std::uint64_t raised = 0, switched = 0, top = 0, in_windows = 0;
   last_ns = 0;

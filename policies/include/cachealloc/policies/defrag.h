@@ -224,8 +224,11 @@ struct DefragCounters {
   std::uint64_t stuck_beside_pages = 0;  ///< in the placement's own mapped neighbours
   std::uint64_t stuck_other_pages = 0;   ///< movable, not taken (room, the other range's pages)
   std::uint64_t held_growths = 0;  ///< page creations refused while the front end held growth
-  std::uint64_t move_ns = 0;           ///< time spent in growths that moved pages or waited
-  std::uint64_t wait_ns = 0;           ///< of which waiting for streams (synchronize_event)
+  /// time spent in growths that moved pages or waited, at a new peak or not (the move budget
+  /// is charged only those below the peak: Note [A time budget for moves])
+  std::uint64_t move_ns = 0;
+  /// time waiting for streams (synchronize_event): in those growths, and in release_cached()
+  std::uint64_t wait_ns = 0;
   double slack = 0.0;                  ///< the grow slack in force now
 };
 
@@ -367,6 +370,10 @@ class DefragPolicy {
   /// on replays in session 37 and not kept without a GPU run: bench/results/
   /// defrag_session37_soft_hold.patch.)
   void hold_growth(bool held) noexcept;
+  /// Note [Prefetching the lines a call will touch] (prefetch.h): the engine's hot lines, asked
+  /// for by the front end once it holds the lock; set_prefetch(false) turns the policy's off.
+  void prefetch_hot() const noexcept;
+  void set_prefetch(bool on) noexcept;
   /// Waits for every stream that used a free page, then unmaps and releases all wholly free pages.
   std::size_t release_cached();
   [[nodiscard]] std::size_t reserved_bytes() const noexcept;
