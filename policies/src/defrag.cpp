@@ -823,8 +823,6 @@ void DefragPolicy::deallocate_settled(const Block& block, StreamId /*stream*/) n
 
 void DefragPolicy::note_parked(std::size_t bytes) noexcept { engine_->note_parked(bytes); }
 void DefragPolicy::hold_growth(bool held) noexcept { engine_->hold_growth(held); }
-void DefragPolicy::prefetch_hot() const noexcept { engine_->prefetch_hot(); }
-void DefragPolicy::set_prefetch(bool on) noexcept { engine_->set_prefetch(on); }
 
 std::size_t DefragPolicy::release_cached() { return engine_->release_cached(); }
 std::size_t DefragPolicy::reserved_bytes() const noexcept { return engine_->reserved_bytes(); }

@@ -237,23 +237,6 @@ class alignas(64) DefragEngine {
     return live_bytes_ - std::min(parked_bytes_, live_bytes_);
   }
   void hold_growth(bool held) noexcept { growth_held_ = held; }
-  /// Note [Prefetching the lines a call will touch] (prefetch.h): the fields every call reads,
-  /// the mapped holes' root and the streams' table.
-  void prefetch_hot() const noexcept {
-    if (!prefetch_) {
-      return;
-    }
-    const auto* first = reinterpret_cast<const char*>(this);
-    prefetch_lines(first, static_cast<std::size_t>(reinterpret_cast<const char*>(&mapped_) - first) +
-                              sizeof(Index));
-    mapped_.prefetch_root();
-    prefetch_lines(streams_.data(), sizeof(StreamState));
-  }
-  void set_prefetch(bool on) noexcept {
-    prefetch_ = on;
-    mapped_.set_prefetch(on);
-    unmapped_.set_prefetch(on);
-  }
   std::size_t release_cached();
   [[nodiscard]] std::size_t reserved_bytes() const noexcept { return held_pages_ * page_; }
   [[nodiscard]] std::size_t live_bytes() const noexcept { return live_bytes_; }
@@ -511,7 +494,6 @@ class alignas(64) DefragEngine {
   std::size_t parked_bytes_ = 0;  // of live_bytes_, freed but parked by the front end
   std::size_t peak_held_ = 0;     // highest live_bytes_ - parked_bytes_ so far
   bool growth_held_ = false;      // create no pages (DefragPolicy::hold_growth)
-  bool prefetch_ = false;         // set_prefetch (the front end: Note [Prefetching the lines a call will touch])
   std::size_t live_blocks_ = 0;
   std::size_t recent_blocks_ = 0;
   std::uint64_t epoch_ = 1;  // the open epoch: frees now are stamped with it

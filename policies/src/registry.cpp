@@ -92,7 +92,7 @@ std::vector<std::string_view> front_end_config_keys() {
   return {"policy",      "record",    "record_max_entries", "log_level",
           "timing",      "full",      "event_poll_interval", "step_memo",
           "wait_parked_to_grow", "share_events", "reuse_parked",
-          "reuse_parked_waits", "defer_frees", "prefetch"};
+          "reuse_parked_waits", "defer_frees"};
 }
 
 std::unique_ptr<DeviceAllocator> make_allocator(std::string_view policy,

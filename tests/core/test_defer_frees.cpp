@@ -3,8 +3,6 @@
 // caller can see but the time: every test runs the same calls through a twin without it and
 // compares every address, and the statistics and invariants every few calls (not after every
 // call: reading them hands the deferred frees over, and the lists should fill up in between).
-// prefetch:False (Note [Prefetching the lines a call will touch], prefetch.h) is checked the same
-// way: prefetching may change the time of a call, never its result.
 #include "../support.h"
 
 #include <cachealloc/allocator.h>
@@ -26,9 +24,7 @@ using namespace cachealloc;
 namespace {
 
 struct Twins {
-  /// `deferring` runs with `setting` added to `conf`, `plain` with `conf` alone.
-  Twins(const std::string& policy, const std::string& conf,
-        const std::string& setting = "defer_frees:True") {
+  Twins(const std::string& policy, const std::string& conf) {
     const auto make = [&](const std::string& c) {
       SimOptions o;
       o.auto_complete_events = true;
@@ -36,7 +32,7 @@ struct Twins {
       o.capacity = std::size_t{1} << 36;  // 64 GiB
       return test::make_sim_allocator(policy, o, c).allocator;
     };
-    deferring = make(conf.empty() ? setting : conf + "," + setting);
+    deferring = make(conf.empty() ? "defer_frees:True" : conf + ",defer_frees:True");
     plain = make(conf);
   }
   std::unique_ptr<DeviceAllocator> deferring;
@@ -134,15 +130,4 @@ TEST_CASE("defer_frees: the setting is checked like any other", "[core][defer_fr
   SimOptions o;
   CHECK_THROWS_AS(test::make_sim_allocator("defrag", o, "defer_frees:maybe"), ConfigError);
   CHECK_NOTHROW(test::make_sim_allocator("size_class", o, "defer_frees:False"));
-}
-
-TEST_CASE("prefetch:False: every address, statistic and invariant as with prefetching, for every "
-          "policy on the simulated device", "[core][prefetch]") {
-  const std::string policy = GENERATE(as<std::string>{}, "defrag", "size_class", "native", "async");
-  INFO(policy);
-  for (std::uint64_t seed = 1; seed <= 4; ++seed) {
-    Twins t(policy, "step_memo:False", "prefetch:False");
-    run_random(t, seed, 3000);
-  }
-  CHECK_THROWS_AS(test::make_sim_allocator("defrag", SimOptions{}, "prefetch:maybe"), ConfigError);
 }

@@ -262,7 +262,6 @@
 #include <cachealloc/errors.h>
 #include <cachealloc/pointer_map.h>
 #include <cachealloc/policy.h>
-#include <cachealloc/prefetch.h>
 #include <cachealloc/spin_mutex.h>
 #include <cachealloc/stats.h>
 #include <cachealloc/step_memo.h>
@@ -359,7 +358,6 @@ inline constexpr std::size_t kMaxRequestBytes = std::size_t{1} << 48;
 #define CACHEALLOC_SLOW_PATH
 #endif
 
-
 template <Policy P>
 class CachingAllocator final : public DeviceAllocator {
   static constexpr std::uint32_t kDefaultPollInterval = 1;
@@ -381,12 +379,6 @@ class CachingAllocator final : public DeviceAllocator {
     }
     if (auto v = config.take_bool("defer_frees")) {  // Note [Frees handed over at the next allocation]
       defer_frees_ = *v;
-    }
-    if (auto v = config.take_bool("prefetch")) {  // Note [Prefetching the lines a call will touch]
-      prefetch_ = *v;
-    }
-    if constexpr (requires(P& q, bool b) { q.set_prefetch(b); }) {
-      policy_.set_prefetch(prefetch_);
     }
     // Note [The step memo]: on by default for a policy whose placement is deterministic.
     memo_enabled_ = memo_capable();
@@ -427,13 +419,7 @@ class CachingAllocator final : public DeviceAllocator {
     if (bytes > kMaxRequestBytes) {
       refuse_huge(bytes);
     }
-    if (prefetch_) {  // set once at construction: read without the lock
-      prefetch_front();
-    }
     std::lock_guard lock(mutex_);
-    if (prefetch_) {
-      prefetch_policy();
-    }
     if (deferred_count_ != 0) {  // Note [Frees handed over at the next allocation]
       hand_over_deferred();
     }
@@ -493,15 +479,8 @@ class CachingAllocator final : public DeviceAllocator {
     if (ptr == nullptr) {
       return;
     }
-    if (prefetch_) {  // set once at construction: read without the lock
-      prefetch_front();
-    }
     std::lock_guard lock(mutex_);
     const auto key = reinterpret_cast<std::uintptr_t>(ptr);
-    if (prefetch_) {
-      map_.prefetch(key);
-      prefetch_policy();
-    }
     if (memo_next_ != nullptr) {  // Note [The step memo]
       const MemoOp& m = *memo_next_;
       if (m.ptr == key && m.is_free()) {
@@ -983,20 +962,6 @@ class CachingAllocator final : public DeviceAllocator {
       ev = 0;
     }
     return true;
-  }
-
-  /// Note [Prefetching the lines a call will touch]: the front end's hot fields, before the
-  /// lock. Only the object's own lines (fixed addresses): nothing read without the lock.
-  void prefetch_front() const noexcept {
-    const auto* first = reinterpret_cast<const char*>(&mutex_);
-    prefetch_lines(first, static_cast<std::size_t>(reinterpret_cast<const char*>(&policy_) - first) +
-                              std::min(sizeof(P), std::size_t{64}));
-  }
-  /// The policy's hot lines (optional member `prefetch_hot() const noexcept`); caller holds mutex_.
-  void prefetch_policy() const noexcept {
-    if constexpr (requires(const P& q) { q.prefetch_hot(); }) {
-      policy_.prefetch_hot();
-    }
   }
 
   /// The policy can refuse to create device memory for a while (policy.h, optional member).
@@ -1942,7 +1907,6 @@ class CachingAllocator final : public DeviceAllocator {
   bool memo_learning_ = false;
   // Note [Frees handed over at the next allocation]
   bool defer_frees_ = false;
-  bool prefetch_ = true;  // Note [Prefetching the lines a call will touch]
   std::size_t deferred_count_ = 0;
   std::uint64_t deferred_total_ = 0;  // frees deferred so far (stats: front.deferred_frees)
   std::array<DeferredFree, kDeferredFrees> deferred_{};

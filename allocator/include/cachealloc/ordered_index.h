@@ -23,8 +23,6 @@
 //   the policies' check_invariants()).
 #pragma once
 
-#include <cachealloc/prefetch.h>
-
 #include <algorithm>
 #include <cstring>
 #include <cstddef>
@@ -116,17 +114,6 @@ class OrderedIndex {
   [[nodiscard]] std::size_t size() const noexcept { return size_; }
   [[nodiscard]] bool empty() const noexcept { return size_ == 0; }
   [[nodiscard]] int height() const noexcept { return height_; }
-  /// Whether a search asks for each node whole before reading it (default false: policy defrag
-  /// turns it on; Note [Prefetching the lines a call will touch], prefetch.h).
-  void set_prefetch(bool on) noexcept { prefetch_ = on; }
-  /// Asks for the root node whole (a caller that will search soon, with other work first).
-  void prefetch_root() const noexcept {
-    if (height_ > 0) {
-      fetch(static_cast<const Inner*>(root_));
-    } else {
-      fetch(static_cast<const Leaf*>(root_));
-    }
-  }
   /// Nodes ever allocated (in use or on the free lists).
   [[nodiscard]] std::size_t allocated_nodes() const noexcept { return leaf_store_.size() + inner_store_.size(); }
 
@@ -141,11 +128,9 @@ class OrderedIndex {
     void* n = root_;
     for (int h = height_; h > 0; --h) {
       const auto* in = static_cast<const Inner*>(n);
-      fetch(in);
       n = in->child[route(in, q)];
     }
     auto* leaf = static_cast<Leaf*>(n);
-    fetch(leaf);
     int i = leaf_lower_bound(leaf, q);
     if (i == leaf->count) {
       leaf = leaf->next;
@@ -382,15 +367,6 @@ class OrderedIndex {
     int depth = 0;  // entries used: node[0] is the root
   };
 
-  /// A node whole, before its binary search reads it line by line (Note [Prefetching the lines
-  /// a call will touch], prefetch.h).
-  template <class N>
-  void fetch(const N* node) const noexcept {
-    if (prefetch_) {
-      prefetch_lines(node, sizeof(N));
-    }
-  }
-
   template <class Q>
   int route(const Inner* in, const Q& q) const noexcept {
     // The last child j with fence[j] <= q (child 0 when q is below fence[1]).
@@ -428,14 +404,12 @@ class OrderedIndex {
     path.depth = 0;
     for (int h = height_; h > 0; --h) {
       auto* in = static_cast<Inner*>(n);
-      fetch(in);
       const int c = route(in, q);
       path.node[path.depth] = in;
       path.child[path.depth] = c;
       ++path.depth;
       n = in->child[c];
     }
-    fetch(static_cast<const Leaf*>(n));
     return static_cast<Leaf*>(n);
   }
 
@@ -639,7 +613,6 @@ class OrderedIndex {
   Leaf* head_ = nullptr;  // first leaf of the chain
   Leaf* tail_ = nullptr;  // last leaf
   int height_ = 0;        // inner levels above the leaves
-  bool prefetch_ = false;  // fetch(): Note [Prefetching the lines a call will touch]
   std::size_t size_ = 0;
   std::vector<std::unique_ptr<Leaf>> leaf_store_;
   std::vector<std::unique_ptr<Inner>> inner_store_;

@@ -6,8 +6,6 @@
 // per insert and costs several times more.
 #pragma once
 
-#include <cachealloc/prefetch.h>
-
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -74,12 +72,6 @@ class PointerMap {
     out = std::move(slots_[i].value);
     remove_slot(i);
     return true;
-  }
-
-  /// Asks the CPU for the line of `key`'s home slot, so that a later lookup overlaps its miss
-  /// with other work (Note [Prefetching the lines a call will touch], allocator.h).
-  void prefetch(std::uintptr_t key) const noexcept {
-    prefetch_lines(&slots_[hash(key) & (slots_.size() - 1)], sizeof(Slot));
   }
 
   template <class F>

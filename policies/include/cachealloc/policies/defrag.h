@@ -370,10 +370,6 @@ class DefragPolicy {
   /// on replays in session 37 and not kept without a GPU run: bench/results/
   /// defrag_session37_soft_hold.patch.)
   void hold_growth(bool held) noexcept;
-  /// Note [Prefetching the lines a call will touch] (prefetch.h): the engine's hot lines, asked
-  /// for by the front end once it holds the lock; set_prefetch(false) turns the policy's off.
-  void prefetch_hot() const noexcept;
-  void set_prefetch(bool on) noexcept;
   /// Waits for every stream that used a free page, then unmaps and releases all wholly free pages.
   std::size_t release_cached();
   [[nodiscard]] std::size_t reserved_bytes() const noexcept;
