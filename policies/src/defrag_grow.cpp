@@ -519,16 +519,17 @@ Node* DefragEngine::grow(std::uint32_t kind, std::uint32_t cls, std::size_t size
     scratch_.clear();
     if (counters_.pages_moved != moved_before || counters_.stream_waits != waits_before) {
       const std::uint64_t now = backend_.clock_ns();
+      const std::uint64_t took = now > started ? now - started : 0;
       const std::uint64_t waited = counters_.wait_ns - wait_ns_before;
       const auto waits = static_cast<std::uint32_t>(counters_.stream_waits - waits_before);
       // Note [A history of the time budget]
-      note_costly_growth(CostlyGrowth{now, now > started ? now - started : 0, waited, waits,
+      note_costly_growth(CostlyGrowth{now, took, waited, waits,
                                       static_cast<std::uint32_t>(counters_.pages_moved - moved_before),
                                       static_cast<std::uint32_t>(counters_.pages_created - created_before),
                                       streams_[cls].id, new_peak, settings_.move_pending || pending_mode_});
-      counters_.move_ns += now > started ? now - started : 0;  // every costly growth, charged or not
+      counters_.move_ns += took;  // every costly growth, charged to the budget or not
       if (!new_peak) {
-        note_move_time(now, now > started ? now - started : 0, waited);
+        note_move_time(now, took, waited);
         last_move_ns_ = now;
       } else if (waits != 0 && budget_open_) {
         window_uncharged_waits_ += waits;
