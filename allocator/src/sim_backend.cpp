@@ -54,6 +54,10 @@ std::optional<SimFault> SimBackend::count_call(SimCall kind) {
     ++injected_;
     return f;
   }
+  if (fail_always_ && fail_always_->first == kind) {
+    ++injected_;
+    return fail_always_->second;
+  }
   return std::nullopt;
 }
 
@@ -79,9 +83,12 @@ void SimBackend::script_reservations(std::vector<std::pair<std::size_t, std::uin
 
 void SimBackend::fail_next(SimCall kind, SimFault fault) { fail_next_ = {{kind, fault}}; }
 
+void SimBackend::fail_always(SimCall kind, SimFault fault) { fail_always_ = {{kind, fault}}; }
+
 void SimBackend::clear_faults() noexcept {
   fail_at_ = 0;
   fail_next_.reset();
+  fail_always_.reset();
 }
 
 std::uintptr_t SimBackend::take_range(std::map<std::uintptr_t, std::size_t>& free_ranges,

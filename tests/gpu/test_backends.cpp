@@ -532,9 +532,9 @@ TEST_CASE("stream-ordered policies: pool attributes agree with the front end's s
   }
   for (const std::string& policy : policies) {
     INFO("policy " << policy);
+    TestStream s;  // before the allocator, so destroyed after it
     auto alloc = make_gpu_allocator(policy);
     auto& backend = dynamic_cast<CudaAsyncBackend&>(alloc->backend());
-    TestStream s;
     std::vector<void*> live;
     for (std::size_t bytes : {std::size_t{512}, 3 * kMiB, 40 * kMiB, 100 * kKiB}) {
       live.push_back(alloc->allocate(bytes, s.id()));

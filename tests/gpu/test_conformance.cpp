@@ -49,8 +49,8 @@ std::vector<std::size_t> conformance_sizes() {
 TEST_CASE("conformance on the real device", "[gpu][conformance]") {
   const std::string policy = GENERATE(from_range(gpu_policy_names()));
   CAPTURE(policy);
+  TestStream s;  // before the allocator, so destroyed after it: its teardown may record on s
   auto alloc = make_gpu_allocator(policy);
-  TestStream s;
 
   SECTION("zero bytes gives nullptr, freeing nullptr is a no-op") {
     CHECK(alloc->allocate(0, s.id()) == nullptr);
@@ -157,8 +157,8 @@ TEST_CASE("conformance on the real device", "[gpu][conformance]") {
 TEST_CASE("out of memory on the real device", "[gpu][conformance][oom]") {
   const std::string policy = GENERATE(from_range(gpu_policy_names()));
   CAPTURE(policy);
-  auto alloc = make_gpu_allocator(policy);
   TestStream s;
+  auto alloc = make_gpu_allocator(policy);
   const std::size_t total = alloc->backend().total_memory();
 
   SECTION("a request larger than the device raises OutOfMemory and the allocator keeps working") {

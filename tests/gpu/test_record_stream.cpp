@@ -48,9 +48,9 @@ TEST_CASE("record_stream keeps a block from reuse while the other stream uses it
           "[gpu][record_stream]") {
   const std::string policy = GENERATE(from_range(gpu_policy_names()));
   CAPTURE(policy);
-  auto alloc = make_gpu_allocator(policy);
   TestStream s1;
   TestStream s2;
+  auto alloc = make_gpu_allocator(policy);
   constexpr std::uint64_t kSeed = 77;
   constexpr int kReallocations = 8;
 
@@ -117,9 +117,9 @@ TEST_CASE("reuse_parked hands a parked block to the stream it waits for, in that
   // holds pattern 3. A's next free waits for s2 again: s1 does not get it while s2 is busy.
   const std::string policy = GENERATE(from_range(gpu_policy_names()));
   CAPTURE(policy);
-  auto alloc = make_gpu_allocator(policy, "reuse_parked:True");
   TestStream s1;
   TestStream s2;
+  auto alloc = make_gpu_allocator(policy, "reuse_parked:True");
   constexpr std::uint64_t kSeed = 79;
   constexpr std::size_t bytes = 8 * kMiB;
   void* a = alloc->allocate(bytes, s1.id());
@@ -179,9 +179,9 @@ TEST_CASE("reuse_parked_waits makes the stream wait on the device for the block'
   // the free would come back through the poll instead, to s1's pool.)
   const std::string policy = GENERATE(from_range(gpu_policy_names()));
   CAPTURE(policy);
-  auto alloc = make_gpu_allocator(policy, "reuse_parked_waits:True");
   TestStream s1;
   TestStream s2;
+  auto alloc = make_gpu_allocator(policy, "reuse_parked_waits:True");
   constexpr std::uint64_t kSeed = 80;
   constexpr std::size_t bytes = 8 * kMiB;
   void* c = alloc->allocate(bytes / 2, s2.id());
@@ -229,9 +229,9 @@ TEST_CASE("defrag with wait_parked_to_grow waits for the other stream instead of
   // all the memory defrag holds; a kernel on s2 uses it for ~50 ms; A is freed (parked). The next
   // request of A's size on s1 cannot be served without growing, so the front end waits for s2's
   // event: it returns A itself, after s2's kernel finished, and nothing grew.
-  auto alloc = make_gpu_allocator("defrag", "grow_slack:0,wait_parked_to_grow:0");
   TestStream s1;
   TestStream s2;
+  auto alloc = make_gpu_allocator("defrag", "grow_slack:0,wait_parked_to_grow:0");
   constexpr std::uint64_t kSeed = 78;
   constexpr std::size_t bytes = 8 * kMiB;
   void* a = alloc->allocate(bytes, s1.id());

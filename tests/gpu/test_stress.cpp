@@ -136,10 +136,11 @@ namespace {
 void stress(const std::string& policy, const std::string& settings) {
   const long ops = env_or("CACHEALLOC_GPU_STRESS_OPS", 1500);
   const std::size_t max_bytes = static_cast<std::size_t>(env_or("CACHEALLOC_GPU_STRESS_MAX_MB", 64)) * kMiB;
-  auto alloc = make_gpu_allocator(policy, settings);
-
   std::vector<std::unique_ptr<TestStream>> own;
   std::vector<std::unique_ptr<TestStream>> other;
+  // After the streams, so destroyed before them: its teardown may still record events on them.
+  auto alloc = make_gpu_allocator(policy, settings);
+
   std::vector<std::unique_ptr<DeviceCounter>> mismatches;
   std::vector<cudaEvent_t> handoff(kThreads, nullptr);
   for (int t = 0; t < kThreads; ++t) {

@@ -195,6 +195,9 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
   void fail_call(std::uint64_t k, SimFault fault = SimFault::out_of_memory);
   /// The next call of `kind` fails with `fault`.
   void fail_next(SimCall kind, SimFault fault = SimFault::out_of_memory);
+  /// Every call of `kind` fails with `fault` until clear_faults(): a device that rejects one
+  /// kind of call for good (a driver without a feature, a lost context).
+  void fail_always(SimCall kind, SimFault fault = SimFault::device_error);
   void clear_faults() noexcept;
   /// Counted device calls so far (all SimCall kinds).
   [[nodiscard]] std::uint64_t device_calls() const noexcept { return calls_; }
@@ -341,6 +344,7 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
   std::uint64_t fail_at_ = 0;  // absolute call number, 0 = none
   SimFault fail_at_fault_ = SimFault::out_of_memory;
   std::optional<std::pair<SimCall, SimFault>> fail_next_;
+  std::optional<std::pair<SimCall, SimFault>> fail_always_;
   std::uint64_t injected_ = 0;
   SimStreamPool pool_{*this, *this};  // last: it refers to the members above
 };

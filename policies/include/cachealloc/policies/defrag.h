@@ -120,6 +120,12 @@
 // (empty_cache and the out-of-memory retry), which waits for every stream. With move_pending it
 // need not wait for its own stream either: the pages move at once and their old addresses are
 // unmapped after the stream's work (Note [Moving pages a stream still uses]).
+// So a stream is used after the frees made on it returned: its epoch's event is recorded at the
+// next growth or release_cached(), and the stream must still exist then. PyTorch's streams come
+// from its pool and are never destroyed; a stream wrapped with torch.cuda.ExternalStream and
+// destroyed right after frees on it would be recorded on after its destruction, which the driver
+// does not catch (session 47's GPU suite: a test that destroyed its stream before the allocator
+// crashed inside cuStreamWriteValue64 when the allocator's teardown recorded on it).
 //
 // Stats: the backend counts map/unmap calls and bytes (Stats::num_maps, bytes_mapped, ...);
 // DefragPolicy::counters() adds pages created, moved and released, and the stream waits.

@@ -50,6 +50,17 @@
 // with its default memory barrier may cost the GPU more than an event; until that is measured
 // (e.g. with CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER, whose ordering would need its own proof)
 // they stay opt-in.
+// Session 47 (bench/results/defrag_session47_2026-12-07.md) tried that flag: it cannot be had.
+// cuStreamWriteValue64 resolves to cuStreamWriteValue64_v2 on CUDA 12 and later, and on an H100
+// (driver 580, CUDA 13) every write with the flag failed with CUDA_ERROR_INVALID_VALUE, as the
+// driver API documents it for the v2 calls. The same call ran events against fences side by
+// side again (H100, 2-3 interleaved runs each): median steps comm_overlap 158.4 / 147.9 ms,
+// stream_weights 130.2 / 129.6, offload_train (30 steps) 114.9 / 114.3, the pipeline (300
+// steps) 5.77 / 5.82; event calls 155 -> 57, 135 -> 108, 763 -> 465 and 13 -> 15 us per step.
+// Against session 44 the step times now lean the other way on three of four jobs: no cost of
+// fences to the GPU shows beyond the run-to-run spread either way. Still opt-in: what they save
+// (0.1-0.3% of the step on the jobs that park many frees) brings no job under issue 5's bar that
+// events leave over it (offload_train's quiet steps 1.14% with events, 1.01% with fences).
 #pragma once
 
 #include <cachealloc/types.h>
