@@ -59,8 +59,9 @@
 // steps) 5.77 / 5.82; event calls 155 -> 57, 135 -> 108, 763 -> 465 and 13 -> 15 us per step.
 // Against session 44 the step times now lean the other way on three of four jobs: no cost of
 // fences to the GPU shows beyond the run-to-run spread either way. Still opt-in: what they save
-// (0.1-0.3% of the step on the jobs that park many frees) brings no job under issue 5's bar that
-// events leave over it (offload_train's quiet steps 1.14% with events, 1.01% with fences).
+// (0.02-0.3 points of the quiet steps' share on the jobs that park many frees) brings no job under
+// issue 5's bar that events leave over it (offload_train's quiet steps 1.14% with events, 1.01%
+// with fences).
 #pragma once
 
 #include <cachealloc/types.h>
