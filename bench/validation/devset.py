@@ -27,6 +27,11 @@ frees still pending at the recorded pace, cachealloc-replay's peak_live_pending_
 allocator that reuses a free only once its streams are done must hold; reuse with device-side waits
 can go below it) and its device calls' simulated time.
 
+Each summary also counts the device calls defrag made in the last quarter of each replay
+(cachealloc-replay --phases 4): a repeating job makes none once it settled, and the pipeline of
+bench/e2e at the slack's limit may keep moving pages to its end, which a peak alone does not show
+(e2e_pipeline_1200 and gpu_runs/h100_s47, bench/results/defrag_session47_2026-12-07.md).
+
 The default lags include 100 ms: judged at 0-5 ms only, the shipped policy held 1.020-1.024 of
 llm_serve's live peak, below expandable's 1.032, while on the H200 it held 6% more than
 expandable; replayed 100 ms behind the host it does too (1.132; bench/results/
@@ -48,6 +53,7 @@ DEV_SET = ("tests/data/traces/*.pickle.xz", "bench/e2e/recordings/*.pickle.xz",
            "bench/validation/recordings/*.pickle.xz", "bench/validation/recordings_b/*.pickle.xz")
 GPU_RUNS = ("bench/validation/gpu_runs/**/*.pickle.xz",)
 SETS = {"dev": DEV_SET, "gpu-runs": GPU_RUNS}
+LATE_QUARTERS = 4  # the summary's late device calls: those of the last of this many slices
 
 
 def short_name(trace: str) -> str:
@@ -101,15 +107,17 @@ def run_pair(trace: str, lag: int, variants: list[dict], check_every: int, strea
     row = {"trace": short_name(trace), "lag_us": lag,
            "expandable": expandable["policies"][0]["ratio"], "variants": {}}
     for v in variants:
-        extra = (["-p", "defrag", *lag_args, *v["args"]] +
+        extra = (["-p", "defrag", "--phases", str(LATE_QUARTERS), *lag_args, *v["args"]] +
                  (["-c", f"defrag={v['conf']}"] if v["conf"] else []))
         out = replay(v["replay"], trace, extra, check_every, v["env"])
         d = out["policies"][0]
         # Live bytes plus frees still pending at the recorded pace (cachealloc-replay's
         # peak_live_pending_bytes; the peak requested where the trace has no late frees).
         floor = max(out.get("peak_live_pending_bytes") or 0, out["peak_requested_bytes"], 1)
+        phases = d.get("phases") or []
         row["variants"][v["name"]] = {"ratio": d["ratio"], "maps": d["map_calls"],
                                       "unmaps": d["unmap_calls"],
+                                      "late": phases[-1]["device_calls"] if phases else 0,
                                       "over_floor": d["peak_reserved_bytes"] / floor,
                                       "call_ns": d.get("simulated_call_ns", 0)}
     return row
@@ -136,15 +144,24 @@ def markdown(rows: list[dict], names: list[str], bound: float) -> str:
         calls = sum(r["variants"][n]["maps"] + r["variants"][n]["unmaps"] for r in rows)
         over_floor = sum(r["variants"][n]["over_floor"] for r in rows) / len(rows)
         call_s = sum(r["variants"][n]["call_ns"] for r in rows) / 1e9
+        late = sum(r["variants"][n]["late"] for r in rows)
+        late_rows = [r for r in rows if r["variants"][n]["late"] > 0]
+        most = max(rows, key=lambda r: r["variants"][n]["late"])
         line = (f"- {n}: mean {sum(ratios) / len(ratios):.4f}, worst {worst['variants'][n]['ratio']:.3f} "
                 f"({worst['trace']} at {worst['lag_us'] / 1000:g} ms); at most {bound} on {within} of "
                 f"{len(rows)}, below expandable on {below}; {calls:,} maps + unmaps in all; "
                 f"mean {over_floor:.3f} of the live + pending peak; device calls {call_s:.2f} s "
-                "(simulated)")
+                f"(simulated); {late:,} device calls in the last quarter of the replays, on "
+                f"{len(late_rows)} of {len(rows)}"
+                + (f" (most: {most['variants'][n]['late']:,}, {most['trace']} at {most['lag_us'] / 1000:g} ms)"
+                   if late_rows else ""))
         if n != base:
             lower = sum(r["variants"][n]["ratio"] < r["variants"][base]["ratio"] - 5e-4 for r in rows)
             higher = sum(r["variants"][n]["ratio"] > r["variants"][base]["ratio"] + 5e-4 for r in rows)
-            line += f"; against {base}: lower on {lower}, higher on {higher}"
+            fewer = sum(r["variants"][n]["late"] < r["variants"][base]["late"] for r in rows)
+            more = sum(r["variants"][n]["late"] > r["variants"][base]["late"] for r in rows)
+            line += (f"; against {base}: lower on {lower}, higher on {higher}; fewer late device calls "
+                     f"on {fewer}, more on {more}")
         out.append(line)
     return "\n".join(out) + "\n"
 

@@ -601,6 +601,10 @@ def test_devset_compares_defrag_variants_against_expandable(tmp_path):
         assert all(1.0 <= float(x) < 1.5 for x in cells[2:6]), row
     assert "- shipped: mean " in table and "at most 1.02 on" in table
     assert "- held: mean " in table and "against shipped: lower on" in table
+    late = re.search(r"- shipped: .*; ([\d,]+) device calls in the last quarter of the replays, on (\d+) of 2",
+                     table)
+    assert late, table  # defrag's device calls in the last quarter of each replay (--phases 4)
+    assert "fewer late device calls on" in table
     assert "- dear: mean " in table  # the same policy with maps ten times dearer
     # A GPU recording of a job with a copy stream, its late frees waiting for the other stream:
     # named by its path under gpu_runs/, its peak also judged against the live + pending peak.
