@@ -231,7 +231,7 @@ TEST_CASE("reliability: fail_next on each kind of device call mid-trace is survi
   }
 }
 
-TEST_CASE("every policy: a device whose event records always fail gives errors, loses nothing",
+TEST_CASE("reliability: a device whose event records always fail gives errors, loses nothing",
           "[reliability][faults]") {
   // Session 47 ran the GPU suite with every event record failing (a fence flag the driver
   // rejects). Each policy must then report errors as DeviceError, keep its invariants, give
