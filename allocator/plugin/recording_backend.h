@@ -48,7 +48,6 @@ class RecordingBackend final : public DeviceBackend, private VirtualMemory {
     return inner_->stream_wait_event(stream, event);
   }
   void destroy_event(EventId event) noexcept override { inner_->destroy_event(event); }
-  [[nodiscard]] bool stream_idle(StreamId stream) noexcept override { return inner_->stream_idle(stream); }
 
   [[nodiscard]] VirtualMemory* virtual_memory() noexcept override {
     return inner_vm_ != nullptr ? static_cast<VirtualMemory*>(this) : nullptr;

@@ -81,8 +81,6 @@ std::map<std::string, std::int64_t> Stats::to_map() const {
   m["num_sync_all_streams"] = static_cast<std::int64_t>(num_sync_all_streams);
   m["num_event_records"] = static_cast<std::int64_t>(num_event_records);
   m["num_event_queries"] = static_cast<std::int64_t>(num_event_queries);
-  m["num_stream_queries"] = static_cast<std::int64_t>(num_stream_queries);
-  m["num_idle_streams"] = static_cast<std::int64_t>(num_idle_streams);
   m["event_ns"] = static_cast<std::int64_t>(event_ns);
   m["reserve_ns"] = static_cast<std::int64_t>(reserve_ns);
   m["release_ns"] = static_cast<std::int64_t>(release_ns);

@@ -16,7 +16,6 @@ std::string_view to_string(SimCall call) noexcept {
     case SimCall::record_event: return "record_event";
     case SimCall::query_event: return "query_event";
     case SimCall::synchronize_event: return "synchronize_event";
-    case SimCall::query_stream: return "query_stream";
   }
   return "?";
 }
@@ -547,34 +546,6 @@ bool SimBackend::query_event(EventId event) {
   }
   prune_waits(it->second.stream);
   return event_done(event);
-}
-
-bool SimBackend::stream_idle(StreamId stream) noexcept {
-  try {
-    maybe_throw(SimCall::query_stream);
-    ++mutable_counters().stream_queries;
-    if (!options_.auto_complete_events || held_.contains(stream)) {
-      return false;  // an event recorded now waits for complete_stream() or tick()
-    }
-    // What new_event() would decide for an event recorded now, without recording it.
-    std::uint64_t lag = options_.event_lag_ns;
-    if (options_.stream_lag) {
-      lag = options_.stream_lag(stream, clock_ns_).value_or(options_.event_lag_ns);
-      auto last = stream_ready_ns_.find(stream);
-      if (last != stream_ready_ns_.end() && last->second > clock_ns_) {
-        return false;  // earlier work still runs: events complete in order
-      }
-    }
-    if (lag != 0) {
-      return false;
-    }
-    auto recorded = stream_recorded_.find(stream);
-    const Event probe{stream, (recorded == stream_recorded_.end() ? 0 : recorded->second) + 1, false};
-    ++query_gen_;
-    return waits_done(probe);
-  } catch (...) {  // an injected fault (or bad_alloc): busy, the caller records an event
-    return false;
-  }
 }
 
 std::size_t SimBackend::pending_events() const {

@@ -68,11 +68,6 @@ class CaptureGuardBackend final : public DeviceBackend, private VirtualMemory {
   /// Not while a capture is underway (a wait on work outside the graph): false, the caller
   /// then needs the event complete, which query_event() does not say before the capture ends.
   [[nodiscard]] bool stream_wait_event(StreamId stream, EventId event) override;
-  /// Busy while a capture is underway, without asking: cudaStreamQuery on a capturing stream
-  /// (and, in the global mode, on any stream) would invalidate the capture.
-  [[nodiscard]] bool stream_idle(StreamId stream) noexcept override {
-    return !capturing() && inner_->stream_idle(stream);
-  }
   void destroy_event(EventId event) noexcept override;
 
   [[nodiscard]] VirtualMemory* virtual_memory() noexcept override {

@@ -59,8 +59,6 @@ TEST_CASE("capture guard: no event call or device free during a capture", "[torc
   CHECK(inner.live_events() == 0);  // nothing recorded on the device
   CHECK_FALSE(guard.query_event(deferred));
   CHECK_THROWS_AS(guard.synchronize_event(deferred), cachealloc::DeviceError);
-  CHECK_FALSE(guard.stream_idle(7));  // busy without asking (Note [An idle stream needs no event])
-  CHECK(inner.counters().stream_queries == 0);
   void* block = guard.reserve(4 * cachealloc::kMiB);
   REQUIRE(block != nullptr);
   guard.release(block, 4 * cachealloc::kMiB);
@@ -74,8 +72,6 @@ TEST_CASE("capture guard: no event call or device free during a capture", "[torc
   CHECK(inner.held_bytes() == 0);
   guard.destroy_event(deferred);
   CHECK(inner.live_events() == 0);
-  CHECK(guard.stream_idle(7));  // asked again once no capture is underway
-  CHECK(inner.counters().stream_queries == 1);
 }
 
 TEST_CASE("capture guard: a cross-stream free stays parked through a capture", "[torch][capture]") {
@@ -94,7 +90,6 @@ TEST_CASE("capture guard: a cross-stream free stays parked through a capture", "
   void* q = allocator->allocate(1 * cachealloc::kMiB, 1);
   CHECK(q != p);  // the parked block is not reused while stream 2 may still use it
   CHECK(allocator->pending_frees() == 1);
-  CHECK(allocator->stats().num_stream_queries == 0);  // no stream asked during the capture
   allocator->deallocate(q);
 
   captures = 0;

@@ -187,7 +187,7 @@ BUILTIN_CONFIGS = {
 FALLBACK_POLICIES = ("native", "size_class", "defrag", "async")
 COUNTER_KEYS = ("allocator_ns", "alloc_calls", "free_calls", "num_device_alloc", "num_device_free", "num_maps",
                 "num_unmaps", "bytes_mapped", "bytes_unmapped", "pool.calls", "pool.ns", "num_sync_all_streams",
-                "num_event_records", "num_event_queries", "num_stream_queries", "num_idle_streams", "event_ns",
+                "num_event_records", "num_event_queries", "event_ns",
                 # time inside each kind of device memory call (Note [Time in device calls], backend.cpp)
                 "reserve_ns", "release_ns", "create_ns", "release_physical_ns", "map_ns", "unmap_ns",
                 # the VMM backend's unmap thread (Note [Unmapping off the allocating thread])
@@ -1419,16 +1419,14 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any], meta: dict[str, 
                 for cfg, r in pool_rows]
         event_rows = [(cfg, r) for cfg, r in rows.items() if "event_ns" in r.get("counters_delta_per_step", {})
                       and r["counters_delta_per_step"].get("num_event_records", 0)
-                      + r["counters_delta_per_step"].get("num_event_queries", 0)
-                      + r["counters_delta_per_step"].get("num_stream_queries", 0) > 0]
+                      + r["counters_delta_per_step"].get("num_event_queries", 0) > 0]
         if event_rows:
             # The events cachealloc records (cross-stream frees, policy epochs) and queries, timed
             # by the backend (BackendCounters::event_ns).
             lines += [""] + [
                 f"- inside {cfg}'s allocator time: {d['event_ns'] / 1e3:,.1f} µs/step in "
-                f"{d.get('num_event_records', 0):,.1f} event records, {d.get('num_event_queries', 0):,.1f} "
-                f"event queries and {d.get('num_stream_queries', 0):,.1f} stream queries "
-                f"({d.get('num_idle_streams', 0):,.1f} found the stream idle: no event needed)"
+                f"{d.get('num_event_records', 0):,.1f} event records and {d.get('num_event_queries', 0):,.1f} "
+                "event queries"
                 + (f"; {d['parked_reuses']:,.1f} parked frees per step reused on the stream they waited for "
                    f"({d.get('parked_reuse_bytes', 0) / 2**20:,.0f} MiB; {d.get('parked_reuse_waits', 0):,.1f} of them "
                    "made that stream wait for another's event)" if d.get("parked_reuses") else "")

@@ -512,7 +512,6 @@ int main(int argc, char** argv) {
       per_thousand("events recorded", [](const replay::PolicyResult& r) { return r.events_recorded; });
       if (late_other) {
         per_thousand("event queries", [](const replay::PolicyResult& r) { return r.event_queries; });
-        per_thousand("stream queries", [](const replay::PolicyResult& r) { return r.stream_queries; });
       }
     }
     if (prepared.peak_live_pending > prepared.peak_requested) {
@@ -585,7 +584,6 @@ int main(int argc, char** argv) {
           p["events_recorded"] = r.events_recorded;
           // Per parked block and poll unless late_frees_on_other_stream (see the summary above).
           p["event_queries"] = r.event_queries;
-          p["stream_queries"] = r.stream_queries;
           p["failed_allocations"] = r.failed_allocations;
           p["events_per_second"] = r.events_per_second;
           p["simulated_call_ns"] = r.charged_ns;  // what its device calls cost the simulated host

@@ -529,7 +529,6 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
   r.mapped_bytes = c.mapped_bytes;
   r.events_recorded = c.events_recorded;
   r.event_queries = c.event_queries;
-  r.stream_queries = c.stream_queries;
 #ifdef CACHEALLOC_HAS_NATIVE
   if (native != nullptr) {
     std::vector<std::pair<trace::Action, std::uint64_t>> model;

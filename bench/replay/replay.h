@@ -185,9 +185,6 @@ struct PolicyResult {
   /// charge (Note [Simulated time]).
   std::uint64_t events_recorded = 0;
   std::uint64_t event_queries = 0;
-  /// Streams asked whether they are idle instead of recording an event (Note [An idle stream
-  /// needs no event], allocator.h).
-  std::uint64_t stream_queries = 0;
   std::uint64_t failed_allocations = 0;
   double seconds = 0;
   double events_per_second = 0;

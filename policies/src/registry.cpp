@@ -91,7 +91,7 @@ const PolicyInfo* find_policy(std::string_view name) {
 std::vector<std::string_view> front_end_config_keys() {
   return {"policy",      "record",    "record_max_entries", "log_level",
           "timing",      "full",      "event_poll_interval", "step_memo",
-          "wait_parked_to_grow", "share_events", "query_streams", "reuse_parked",
+          "wait_parked_to_grow", "share_events", "reuse_parked",
           "reuse_parked_waits", "defer_frees"};
 }
 

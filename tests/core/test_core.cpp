@@ -336,9 +336,7 @@ TEST_CASE("front end: the retry chain steps", "[core][oom]") {
 TEST_CASE("front end: one event query per busy stream when polling parked frees", "[core]") {
   auto backend = std::make_unique<SimBackend>(SimOptions{});
   SimBackend* sim = backend.get();
-  // No event on the frees' own stream; every event recorded (no stream asked whether it is idle:
-  // Note [An idle stream needs no event]), so the device calls below are event calls only.
-  Config config = Config::parse("reuse_parked:False,query_streams:False");
+  Config config = Config::parse("reuse_parked:False");  // no event on the frees' own stream
   CachingAllocator<SizeClassPolicy> a(std::move(backend), config);
   void* warm = a.allocate(4096, 1);  // the small segment exists: the polls below reserve nothing
   a.deallocate(warm);
@@ -723,7 +721,7 @@ TEST_CASE("front end: event_poll_interval polls parked frees at every N-th alloc
           "[core]") {
   auto backend = std::make_unique<SimBackend>(SimOptions{});
   SimBackend* sim = backend.get();
-  Config config = Config::parse("event_poll_interval:4,reuse_parked:False,query_streams:False");
+  Config config = Config::parse("event_poll_interval:4,reuse_parked:False");
   CachingAllocator<SizeClassPolicy> a(std::move(backend), config);
   config.finish("test", {});  // the front end took the key
   void* warm = a.allocate(4096, 1);
@@ -764,124 +762,6 @@ TEST_CASE("front end: event_poll_interval polls parked frees at every N-th alloc
   a.check_invariants();
   Config bad = Config::parse("event_poll_interval:0");
   CHECK_THROWS_AS(CachingAllocator<SizeClassPolicy>(std::make_unique<SimBackend>(SimOptions{}), bad), ConfigError);
-}
-
-TEST_CASE("sim: a stream is idle exactly when an event recorded now would be complete", "[core]") {
-  SECTION("events that complete only when told: never idle") {
-    SimBackend sim(SimOptions{});
-    CHECK_FALSE(sim.stream_idle(1));
-    sim.tick();
-    CHECK_FALSE(sim.stream_idle(1));
-    CHECK(sim.counters().stream_queries == 2);
-  }
-  SECTION("events that complete at once: idle unless held or waiting") {
-    SimBackend sim(SimOptions{.auto_complete_events = true});
-    const std::size_t events = sim.live_events();
-    CHECK(sim.stream_idle(1));
-    CHECK(sim.live_events() == events);  // asking records nothing
-    sim.hold_stream(2);
-    CHECK_FALSE(sim.stream_idle(2));
-    const EventId e2 = sim.record_event(2);
-    REQUIRE(sim.stream_wait_event(3, e2));  // stream 3's later work waits for held stream 2
-    CHECK_FALSE(sim.stream_idle(3));
-    sim.release_stream(2);
-    CHECK(sim.stream_idle(2));
-    CHECK(sim.stream_idle(3));
-    sim.destroy_event(e2);
-    sim.fail_next(SimCall::query_stream, SimFault::device_error);
-    CHECK_FALSE(sim.stream_idle(1));  // a failed query: busy
-    CHECK(sim.stream_idle(1));
-  }
-  SECTION("a lag: idle only once the lag and every earlier event are past") {
-    SimOptions o{.auto_complete_events = true};
-    o.stream_lag = [](StreamId, std::uint64_t clock_ns) -> std::optional<std::uint64_t> {
-      return clock_ns < 100 ? 500 : 0;  // the GPU 500 ns behind at first, then caught up
-    };
-    SimBackend sim(o);
-    const EventId e = sim.record_event(1);  // ready at 500
-    CHECK_FALSE(sim.stream_idle(1));
-    sim.advance_clock_to(200);
-    CHECK_FALSE(sim.stream_idle(1));  // no lag now, but the event before is not done
-    CHECK_FALSE(sim.query_event(e));
-    sim.advance_clock_to(600);
-    CHECK(sim.stream_idle(1));
-    CHECK(sim.query_event(e));
-    sim.destroy_event(e);
-    SimBackend fixed(SimOptions{.auto_complete_events = true, .event_lag_ns = 1000});
-    CHECK_FALSE(fixed.stream_idle(1));  // a GPU always behind the host is never found idle
-  }
-}
-
-namespace {
-/// Note [An idle stream needs no event]: frees parked behind idle streams come back at the next
-/// allocation without an event; a busy stream gets its event and is asked again only after
-/// kBusySkip (7) bursts; nothing comes back while a stream it waits for is busy.
-template <typename P>
-void check_idle_streams_need_no_event() {
-  auto backend = std::make_unique<SimBackend>(SimOptions{.auto_complete_events = true});
-  SimBackend* sim = backend.get();
-  Config config = Config::parse("");
-  CachingAllocator<P> a(std::move(backend), config);
-  a.deallocate(a.allocate(4096, 1));
-  std::vector<void*> small;
-  const auto burst = [&] {
-    void* x = a.allocate(kMiB, 1);
-    a.record_stream(x, 2);
-    a.deallocate(x);
-    CHECK(a.pending_frees() >= 1);
-    small.push_back(a.allocate(4096, 1));  // closes the burst, then polls
-    a.check_invariants();
-  };
-  // Both streams idle: no event, back at once.
-  Stats before = a.stats();
-  burst();
-  Stats after = a.stats();
-  CHECK(a.pending_frees() == 0);
-  CHECK(after.num_event_records == before.num_event_records);
-  CHECK(after.num_stream_queries - before.num_stream_queries == 2);  // stream 2, and 1 (its own)
-  CHECK(after.num_idle_streams - before.num_idle_streams == 2);
-  // Stream 2 busy: its event is recorded, the block stays parked; stream 2 is asked at the first
-  // burst and again at the ninth, its own stream at every burst.
-  sim->hold_stream(2);
-  before = a.stats();
-  for (int i = 0; i < 9; ++i) {
-    burst();
-    CHECK(a.pending_frees() == static_cast<std::size_t>(i + 1));
-  }
-  after = a.stats();
-  CHECK(after.num_event_records - before.num_event_records >= 9);  // one per burst on stream 2 (defrag: its own too)
-  CHECK(after.num_stream_queries - before.num_stream_queries == 9 + 2);
-  CHECK(after.num_idle_streams - before.num_idle_streams == 9);
-  sim->release_stream(2);
-  small.push_back(a.allocate(4096, 1));
-  CHECK(a.pending_frees() == 0);
-  a.check_invariants();
-  // Turned off: every burst records its events, no stream is asked.
-  for (void* s : small) {
-    a.deallocate(s);
-  }
-  auto backend_off = std::make_unique<SimBackend>(SimOptions{.auto_complete_events = true});
-  Config off = Config::parse("query_streams:False");
-  CachingAllocator<P> b(std::move(backend_off), off);
-  off.finish("test", {});  // the front end took the key
-  void* x = b.allocate(kMiB, 1);
-  b.record_stream(x, 2);
-  b.deallocate(x);
-  void* y = b.allocate(4096, 1);
-  CHECK(b.stats().num_stream_queries == 0);
-  CHECK(b.stats().num_event_records >= 2);  // stream 2 and the block's own
-  b.deallocate(y);
-  b.check_invariants();
-}
-}  // namespace
-
-TEST_CASE("front end: frees parked behind idle streams need no event", "[core]") {
-  SECTION("size_class") {
-    check_idle_streams_need_no_event<SizeClassPolicy>();
-  }
-  SECTION("defrag") {
-    check_idle_streams_need_no_event<DefragPolicy>();
-  }
 }
 
 TEST_CASE("sim: the clock runs on the driver's time plus the modelled cost of each call",

@@ -225,7 +225,6 @@ EventId CudaAsyncBackend::record_event(StreamId stream) { return record_counted(
 bool CudaAsyncBackend::query_event(EventId event) { return query_counted(events_, *this, event); }
 void CudaAsyncBackend::synchronize_event(EventId event) { events_.synchronize(event); }
 bool CudaAsyncBackend::stream_wait_event(StreamId stream, EventId event) { return events_.stream_wait(stream, event); }
-bool CudaAsyncBackend::stream_idle(StreamId stream) noexcept { return stream_idle_counted(events_, *this, stream); }
 void CudaAsyncBackend::destroy_event(EventId event) noexcept { events_.give_back(event); }
 
 }  // namespace cachealloc

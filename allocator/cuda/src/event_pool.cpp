@@ -226,21 +226,6 @@ bool CudaEventPool::query(EventId event) {
   return false;
 }
 
-bool CudaEventPool::stream_idle(StreamId stream) noexcept {
-  try {
-    CudaDeviceGuard guard(device_);  // the legacy default stream (0) is per device
-    const cudaError_t status = cudaStreamQuery(to_cuda_stream(stream));
-    if (status == cudaSuccess) {
-      return true;
-    }
-    // cudaErrorNotReady (busy) is reported as the last error too; any other failure: the caller
-    // records an event, whose call reports it.
-    (void)cudaGetLastError();
-  } catch (...) {  // NOLINT(bugprone-empty-catch): the device guard failed: as busy
-  }
-  return false;
-}
-
 void CudaEventPool::synchronize(EventId event) {
   if (is_fence(event)) {
     wait_fence(event);
@@ -267,12 +252,6 @@ bool query_counted(CudaEventPool& pool, DeviceBackend& backend, EventId event) {
   const detail::TimedCall timed(backend, backend.mutable_counters().event_ns);
   ++backend.mutable_counters().event_queries;
   return pool.query(event);
-}
-
-bool stream_idle_counted(CudaEventPool& pool, DeviceBackend& backend, StreamId stream) noexcept {
-  const detail::TimedCall timed(backend, backend.mutable_counters().event_ns);
-  ++backend.mutable_counters().stream_queries;
-  return pool.stream_idle(stream);
 }
 
 }  // namespace cachealloc

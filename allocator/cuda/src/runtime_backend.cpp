@@ -48,7 +48,6 @@ EventId CudaRuntimeBackend::record_event(StreamId stream) { return record_counte
 bool CudaRuntimeBackend::query_event(EventId event) { return query_counted(events_, *this, event); }
 void CudaRuntimeBackend::synchronize_event(EventId event) { events_.synchronize(event); }
 bool CudaRuntimeBackend::stream_wait_event(StreamId stream, EventId event) { return events_.stream_wait(stream, event); }
-bool CudaRuntimeBackend::stream_idle(StreamId stream) noexcept { return stream_idle_counted(events_, *this, stream); }
 void CudaRuntimeBackend::destroy_event(EventId event) noexcept { events_.give_back(event); }
 
 }  // namespace cachealloc

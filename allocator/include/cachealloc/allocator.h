@@ -93,27 +93,6 @@
 // on it, before any other allocator call, sets `share_events:False` (CACHEALLOC_CONF): every
 // parked free then records its events at the free, as before session 39.
 //
-// Note [An idle stream needs no event]
-// A training loop that synchronises once per step (a loss printed with .item(), a metric read
-// back, a benchmark's timer) frees its handed-over blocks at the end of one step and makes its
-// next allocator call after the synchronisation, when the streams the burst waits for have no
-// work left. An event recorded then completes at once, and recording it (cudaEventRecord), then
-// asking it (cudaEventQuery, at least once), are two to three device calls per stream per burst:
-// on the e2e pipeline over 300 steps on an H100 (session 47, bench/results/e2e_h100_2026-12-07_s47p.md)
-// 2.5 records and 4.5 queries per step cost 12.8 of the 55 us a step without a device call spent
-// in the allocator. So before recording a burst's event on a stream, record_burst() asks the
-// stream itself (DeviceBackend::stream_idle, cudaStreamQuery: one call, no event): when every
-// piece of work queued on it so far has completed, nothing queued before the frees can still
-// touch their blocks, which is all an event recorded now could say. The frees then hold
-// kIdleStream in place of that event: complete from the start, never recorded, queried or
-// destroyed, so the poll of the same allocation hands them back (settled, when their own stream
-// was idle too). A stream found busy gets its event as before and is not asked again for the
-// next kBusySkip bursts, so a job whose streams are always busy pays one query per eight of its
-// bursts' events. The simulated device answers idle exactly when an event recorded now would be
-// complete now (Note [Simulated events]); a capture underway answers busy without asking
-// (Note [Deferred events during capture], capture_guard_backend.h). `query_streams:False`
-// (CACHEALLOC_CONF) records every event as before.
-//
 // Note [Reusing a parked free on the stream it waits for]
 // A parked free waits for the other streams that used the block; but an allocation on one of
 // those streams, S, is ordered after all of S's work queued before the free by the stream
@@ -392,9 +371,6 @@ class CachingAllocator final : public DeviceAllocator {
     if (auto v = config.take_bool("share_events")) {  // Note [Events shared by a burst of parked frees]
       share_events_ = *v;
     }
-    if (auto v = config.take_bool("query_streams")) {  // Note [An idle stream needs no event]
-      query_streams_ = *v;
-    }
     if (auto v = config.take_bool("reuse_parked")) {  // Note [Reusing a parked free on the stream it waits for]
       reuse_parked_ = *v;
     }
@@ -612,7 +588,6 @@ class CachingAllocator final : public DeviceAllocator {
     s.bytes_unmapped = c.unmapped_bytes;
     s.num_event_records = c.events_recorded;
     s.num_event_queries = c.event_queries;
-    s.num_stream_queries = c.stream_queries;
     s.event_ns = c.event_ns;
     s.reserve_ns = c.reserve_ns;
     s.release_ns = c.release_ns;
@@ -976,7 +951,7 @@ class CachingAllocator final : public DeviceAllocator {
         wait_event(ev);
       } else if (busy.contains(p.streams[i])) {
         return false;  // recorded after an event of the same stream that has not completed
-      } else if (ev != known_done_ && ev != kIdleStream) {
+      } else if (ev != known_done_) {
         if (!backend_->query_event(ev)) {
           busy.add(p.streams[i]);
           return false;
@@ -1398,23 +1373,19 @@ class CachingAllocator final : public DeviceAllocator {
     auto event_on = [&](StreamId stream) noexcept -> EventId {
       for (std::size_t i = 0; i < used; ++i) {
         if (burst[i].stream == stream) {
-          if (shared(burst[i].event)) {
+          if (burst[i].event != 0) {
             ++burst[i].holders;
           }
           return burst[i].event;
         }
       }
       EventId ev = 0;
-      if (stream_found_idle(stream)) {  // Note [An idle stream needs no event]
-        ev = kIdleStream;
-      } else {
-        try {
-          ev = backend_->record_event(stream);
-        } catch (...) {  // NOLINT(bugprone-empty-catch): 0: recorded again later
-        }
+      try {
+        ev = backend_->record_event(stream);
+      } catch (...) {  // NOLINT(bugprone-empty-catch): 0: recorded again later
       }
       if (used < burst.size()) {
-        burst[used++] = Shared{stream, ev, shared(ev) ? 1U : 0U};
+        burst[used++] = Shared{stream, ev, ev != 0 ? 1U : 0U};
       }
       return ev;
     };
@@ -1469,7 +1440,7 @@ class CachingAllocator final : public DeviceAllocator {
   /// Whether `event` completed (a failed query: not yet). Remembers the last event seen done, so
   /// the frees sharing it ask the device once.
   bool event_done(EventId event) noexcept {
-    if (event == known_done_ || event == kIdleStream) {
+    if (event == known_done_) {
       return true;
     }
     bool done = false;
@@ -1485,7 +1456,7 @@ class CachingAllocator final : public DeviceAllocator {
 
   /// Waits until `event` completed (DeviceError on failure); the frees sharing it wait once.
   void wait_event(EventId event) {
-    if (event != known_done_ && event != kIdleStream) {
+    if (event != known_done_) {
       backend_->synchronize_event(event);
       known_done_ = event;
     }
@@ -1493,9 +1464,6 @@ class CachingAllocator final : public DeviceAllocator {
 
   /// One holder of `event` is done with it; the last one destroys it.
   void release_event(EventId event) noexcept {
-    if (event == kIdleStream) {
-      return;  // nothing was recorded (Note [An idle stream needs no event])
-    }
     for (std::size_t i = 0; i < shared_events_.size(); ++i) {
       if (shared_events_[i].event == event) {
         if (--shared_events_[i].holders != 0) {
@@ -1511,41 +1479,6 @@ class CachingAllocator final : public DeviceAllocator {
     }
     backend_->destroy_event(event);
   }
-
-  /// Stands for an event on a stream found idle: complete, never recorded, nothing to destroy
-  /// (Note [An idle stream needs no event]). No backend hands out this id.
-  static constexpr EventId kIdleStream = ~EventId{0};
-  /// Whether a burst's parked frees share `event` with a count of holders (a recorded event).
-  [[nodiscard]] static bool shared(EventId event) noexcept { return event != 0 && event != kIdleStream; }
-
-  /// Note [An idle stream needs no event]: whether `stream` has no work left queued, asked of the
-  /// device unless the stream was found busy lately (then asked again after kBusySkip bursts).
-  bool stream_found_idle(StreamId stream) noexcept {
-    if (!query_streams_) {
-      return false;
-    }
-    StreamHint* hint = nullptr;
-    for (StreamHint& h : stream_hints_) {
-      if (h.used && h.stream == stream) {
-        hint = &h;
-        break;
-      }
-    }
-    if (hint == nullptr) {
-      hint = &stream_hints_[next_hint_];
-      next_hint_ = (next_hint_ + 1) % stream_hints_.size();
-      *hint = StreamHint{stream, 0, true};
-    }
-    if (hint->skip != 0) {
-      --hint->skip;
-      return false;
-    }
-    const bool idle = backend_->stream_idle(stream);
-    hint->skip = idle ? 0 : kBusySkip;
-    stats_.num_idle_streams += idle ? 1 : 0;
-    return idle;
-  }
-  static constexpr std::uint32_t kBusySkip = 7;
 
   /// Note [Parked frees by stream]: queues the newest parked free's events on their streams.
   void add_waits(Parked& p) noexcept {
@@ -1625,16 +1558,15 @@ class CachingAllocator final : public DeviceAllocator {
       CACHEALLOC_CHECK_INVARIANT(!p.unrecorded || (p.events.empty() && p.own_event == 0 && !p.gone),
                                  "a parked free awaiting its burst's events already has events");
     }
-    // Every event is held by as many parked frees as its count says: one unless it is shared
-    // (kIdleStream is no event: Note [An idle stream needs no event]).
+    // Every event is held by as many parked frees as its count says: one unless it is shared.
     std::map<EventId, std::size_t> holders;
     for (const Parked& p : pending_) {
       for (const EventId ev : p.events) {
-        if (shared(ev)) {
+        if (ev != 0) {
           ++holders[ev];
         }
       }
-      if (shared(p.own_event)) {
+      if (p.own_event != 0) {
         ++holders[p.own_event];
       }
     }
@@ -1990,15 +1922,6 @@ class CachingAllocator final : public DeviceAllocator {
   bool waits_stale_ = false;   // waits_ lacks events (some could not be recorded): rebuild them
   // Note [Events shared by a burst of parked frees]
   bool share_events_ = true;                  // CACHEALLOC_CONF share_events
-  // Note [An idle stream needs no event]
-  bool query_streams_ = true;                 // CACHEALLOC_CONF query_streams
-  struct StreamHint {
-    StreamId stream = 0;
-    std::uint32_t skip = 0;  // bursts left before this stream, found busy, is asked again
-    bool used = false;
-  };
-  std::array<StreamHint, 8> stream_hints_{};
-  std::size_t next_hint_ = 0;  // the entry a ninth stream takes over (round robin)
   // Note [Reusing a parked free on the stream it waits for]
   bool reuse_parked_ = true;                  // CACHEALLOC_CONF reuse_parked
   bool reuse_waits_ = true;                   // CACHEALLOC_CONF reuse_parked_waits

@@ -43,8 +43,7 @@ struct BackendCounters {
   std::uint64_t unmapped_bytes = 0;      ///< bytes passed to unmap(), cumulative
   std::uint64_t events_recorded = 0;     ///< record_event() calls
   std::uint64_t event_queries = 0;       ///< query_event() calls
-  std::uint64_t stream_queries = 0;      ///< stream_idle() calls that asked the device
-  /// Time inside record_event(), query_event() and stream_idle() on clock_ns() (the CUDA backends: the host's
+  /// Time inside record_event() and query_event() on clock_ns() (the CUDA backends: the host's
   /// steady clock; the simulated device charges events nothing, Note [Simulated time]).
   std::uint64_t event_ns = 0;
   /// Time inside each kind of memory call on clock_ns() (Note [Time in device calls]): the CUDA
@@ -194,11 +193,6 @@ class DeviceBackend {
   /// blocking the host; the event may be destroyed right after. False when this backend cannot
   /// (the caller then waits for the event to complete instead). Throws DeviceError.
   [[nodiscard]] virtual bool stream_wait_event(StreamId /*stream*/, EventId /*event*/) { return false; }
-  /// True when every piece of work queued on `stream` so far has completed (cudaStreamQuery),
-  /// asked without waiting: then no event recorded now could tell more (Note [An idle stream
-  /// needs no event], allocator.h). False when the stream is busy, and whenever the backend
-  /// cannot tell or may not ask now (a graph capture underway). Never throws.
-  [[nodiscard]] virtual bool stream_idle(StreamId /*stream*/) noexcept { return false; }
 
   /// Monotonic time in nanoseconds, for policies that budget the time their device calls take
   /// (defrag: Note [A time budget for moves]). Real backends: std::chrono::steady_clock; the

@@ -66,7 +66,6 @@ enum class SimCall : std::uint8_t {
   record_event,
   query_event,
   synchronize_event,
-  query_stream,  ///< stream_idle(): a fault answers "busy"
 };
 std::string_view to_string(SimCall call) noexcept;
 
@@ -145,10 +144,6 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
 
   [[nodiscard]] EventId record_event(StreamId stream) override;
   [[nodiscard]] bool query_event(EventId event) override;
-  /// Idle exactly when an event recorded now would already be complete (Note [Simulated events]):
-  /// with auto_complete_events, a stream not held whose lag is 0 now, past every earlier event's
-  /// completion, and whose waits (Note [Simulated stream waits]) completed. Changes nothing.
-  [[nodiscard]] bool stream_idle(StreamId stream) noexcept override;
   void synchronize_event(EventId event) override;
   void destroy_event(EventId event) noexcept override;
   /// Note [Simulated stream waits]: the events recorded on `stream` from now on complete only

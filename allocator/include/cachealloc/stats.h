@@ -58,10 +58,6 @@ struct Stats {
   std::uint64_t num_sync_all_streams = 0;  ///< event waits forced by the retry chain / empty_cache
   std::uint64_t num_event_records = 0;  ///< events recorded (cross-stream frees, policy epochs)
   std::uint64_t num_event_queries = 0;  ///< events queried
-  /// Streams queried instead of recording an event (Note [An idle stream needs no event]), and
-  /// how many of them were idle.
-  std::uint64_t num_stream_queries = 0;
-  std::uint64_t num_idle_streams = 0;
   std::uint64_t event_ns = 0;           ///< time inside those records and queries (BackendCounters)
   /// Time inside the device's memory calls by kind (BackendCounters, Note [Time in device calls]):
   /// cudaMalloc, cudaFree, cuMemCreate, cuMemRelease, cuMemMap + cuMemSetAccess, cuMemUnmap.

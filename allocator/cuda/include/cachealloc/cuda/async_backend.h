@@ -61,7 +61,6 @@ class CudaAsyncBackend final : public DeviceBackend, public StreamOrderedMemory 
   [[nodiscard]] bool query_event(EventId event) override;
   void synchronize_event(EventId event) override;
   [[nodiscard]] bool stream_wait_event(StreamId stream, EventId event) override;
-  [[nodiscard]] bool stream_idle(StreamId stream) noexcept override;
   void destroy_event(EventId event) noexcept override;
   [[nodiscard]] StreamOrderedMemory* stream_ordered() noexcept override { return this; }
 

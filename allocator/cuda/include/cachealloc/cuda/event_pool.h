@@ -98,9 +98,6 @@ class CudaEventPool {
   [[nodiscard]] bool stream_wait(StreamId stream, EventId event);
   /// Blocks until the event completed (cudaEventSynchronize). Throws DeviceError.
   void synchronize(EventId event);
-  /// True when all work queued on `stream` so far completed (cudaStreamQuery); false when it is
-  /// busy or the query failed (Note [An idle stream needs no event], allocator.h). Never throws.
-  [[nodiscard]] bool stream_idle(StreamId stream) noexcept;
   /// Makes the event available again. The event need not have completed: re-recording an
   /// event only changes what later queries see, never work already queued.
   void give_back(EventId event) noexcept;
@@ -158,7 +155,5 @@ class CudaEventPool {
 [[nodiscard]] EventId record_counted(CudaEventPool& pool, DeviceBackend& backend, StreamId stream);
 /// pool.query(event), counted (event_queries) and timed likewise: their query_event().
 [[nodiscard]] bool query_counted(CudaEventPool& pool, DeviceBackend& backend, EventId event);
-/// pool.stream_idle(stream), counted (stream_queries) and timed likewise: their stream_idle().
-[[nodiscard]] bool stream_idle_counted(CudaEventPool& pool, DeviceBackend& backend, StreamId stream) noexcept;
 
 }  // namespace cachealloc

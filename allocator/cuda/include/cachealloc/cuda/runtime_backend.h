@@ -35,7 +35,6 @@ class CudaRuntimeBackend : public DeviceBackend {
   [[nodiscard]] bool query_event(EventId event) override;
   void synchronize_event(EventId event) override;
   [[nodiscard]] bool stream_wait_event(StreamId stream, EventId event) override;
-  [[nodiscard]] bool stream_idle(StreamId stream) noexcept override;
   void destroy_event(EventId event) noexcept override;
 
   [[nodiscard]] const CudaEventPool& event_pool() const noexcept { return events_; }
