@@ -291,8 +291,7 @@ TEST_CASE("reliability: a device whose event records always fail gives errors, l
         a->deallocate(live.back());
         live.pop_back();
       }
-    } catch (const DeviceError&) {
-      ++errors;
+    } catch (const DeviceError&) {  // NOLINT(bugprone-empty-catch): expected while records fail
     }
   }
   a.reset();
