@@ -11,6 +11,7 @@
 
 #include <cachealloc/cuda/streams.h>
 #include <cachealloc/errors.h>
+#include <cachealloc/record_thread.h>
 
 #include <cuda_runtime_api.h>
 
@@ -399,6 +400,9 @@ void TorchAllocator::beginAllocateToPool(c10::DeviceIndex device, c10::MempoolId
   pool_create_or_incref(device, mempool_id);
   routes_.push_back(Route{device, mempool_id, std::move(filter)});
   captures_underway_.fetch_add(1, std::memory_order_acq_rel);
+  // The capture guard posts no record from now on; those already posted are recorded before
+  // PyTorch begins the capture (Note [Event records on a thread of their own]).
+  drain_record_threads();
 }
 
 void TorchAllocator::endAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t mempool_id) {

@@ -192,6 +192,8 @@ COUNTER_KEYS = ("allocator_ns", "alloc_calls", "free_calls", "num_device_alloc",
                 "reserve_ns", "release_ns", "create_ns", "release_physical_ns", "map_ns", "unmap_ns",
                 # the VMM backend's unmap thread (Note [Unmapping off the allocating thread])
                 "background_unmaps", "background_unmap_ns", "background_unmap_wait_ns",
+                # the CUDA event pool's record thread (CACHEALLOC_EVENT_THREAD=1, record_thread.h)
+                "background_event_records", "background_event_ns",
                 "num_alloc_retries", "num_ooms",
                 # wait_parked_to_grow (allocator.h)
                 "parked_waits", "parked_wait_ns",
@@ -1280,7 +1282,8 @@ def device_call_line(cfg: str, d: dict[str, float]) -> str | None:
         each = f", {ns / count / 1e3:,.0f} µs each" if count > 0 else ""
         parts.append(f"{label} {ns / 1e3:,.1f} µs/step ({count:,.2f} calls/step{each})")
     bg = d.get("background_unmaps", 0.0)
-    if not parts and bg <= 0:
+    bg_events = d.get("background_event_records", 0.0)
+    if not parts and bg <= 0 and bg_events <= 0:
         return None
     line = (f"- inside {cfg}'s allocator time: {total / 1e3:,.1f} µs/step in device memory calls: "
             + "; ".join(parts))
@@ -1291,6 +1294,11 @@ def device_call_line(cfg: str, d: dict[str, float]) -> str | None:
                  f"{d.get('background_unmap_ns', 0.0) / 1e3:,.1f} µs/step ({bg:,.2f} calls/step, "
                  f"{d.get('background_unmap_ns', 0.0) / bg / 1e3:,.0f} µs each); allocations blocked "
                  f"on it {d.get('background_unmap_wait_ns', 0.0) / 1e3:,.1f} µs/step")
+    if bg_events > 0:
+        # Not allocator time either: Note [Event records on a thread of their own].
+        line += (f". On the event pool's record thread, outside the allocator's time: cudaEventRecord "
+                 f"{d.get('background_event_ns', 0.0) / 1e3:,.1f} µs/step ({bg_events:,.2f} records/step, "
+                 f"{d.get('background_event_ns', 0.0) / bg_events / 1e3:,.1f} µs each)")
     return line
 
 

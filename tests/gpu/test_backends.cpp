@@ -37,32 +37,39 @@ bool is_hopper_h100_or_h200(int device) {
 /// backend reads it at its first record, so a section that tests fences or events sets it around
 /// that record, and a run of the whole suite under CACHEALLOC_HOST_FENCES=1 keeps fences in the
 /// sections that do not.
-class ScopedFencesEnv {
+/// Sets (or, with nullptr, removes) an environment variable for its scope.
+class ScopedEnv {
  public:
-  explicit ScopedFencesEnv(const char* value) {
-    const char* was = std::getenv(kName);
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* was = std::getenv(name_);
     had_ = was != nullptr;
     saved_ = had_ ? was : "";
     if (value != nullptr) {
-      ::setenv(kName, value, 1);
+      ::setenv(name_, value, 1);
     } else {
-      ::unsetenv(kName);
+      ::unsetenv(name_);
     }
   }
-  ~ScopedFencesEnv() {
+  ~ScopedEnv() {
     if (had_) {
-      ::setenv(kName, saved_.c_str(), 1);
+      ::setenv(name_, saved_.c_str(), 1);
     } else {
-      ::unsetenv(kName);
+      ::unsetenv(name_);
     }
   }
-  ScopedFencesEnv(const ScopedFencesEnv&) = delete;
-  ScopedFencesEnv& operator=(const ScopedFencesEnv&) = delete;
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
 
  private:
-  static constexpr const char* kName = "CACHEALLOC_HOST_FENCES";
+  const char* name_;
   bool had_ = false;
   std::string saved_;
+};
+
+/// CACHEALLOC_HOST_FENCES for its scope (Note [Host fences instead of events]).
+class ScopedFencesEnv : public ScopedEnv {
+ public:
+  explicit ScopedFencesEnv(const char* value) : ScopedEnv("CACHEALLOC_HOST_FENCES", value) {}
 };
 
 }  // namespace
@@ -181,6 +188,8 @@ TEST_CASE("cuda_runtime: cudaMalloc, out of memory, pooled events", "[gpu][runti
   }
 
   SECTION("events (the default): pending while the stream is busy, done after; reused from the pool") {
+    // Recorded on this thread, also when the suite runs under CACHEALLOC_EVENT_THREAD=1.
+    const ScopedEnv no_thread("CACHEALLOC_EVENT_THREAD", nullptr);
     CudaRuntimeBackend events_only(test_device());
     GPU_REQUIRE_OK(launch_spin(cycles_for_ms(20), s.get()));
     // Without the variable, also when the suite runs under CACHEALLOC_HOST_FENCES=1 (that run,
@@ -210,6 +219,50 @@ TEST_CASE("cuda_runtime: cudaMalloc, out of memory, pooled events", "[gpu][runti
     }
     CHECK(events_only.event_pool().created() == 40);
     CHECK(events_only.event_pool().idle() == 40);
+  }
+
+  SECTION("record thread (CACHEALLOC_EVENT_THREAD=1): posted records fence the work before them") {
+    // Note [Event records on a thread of their own] (record_thread.h).
+    const ScopedFencesEnv no_fences(nullptr);
+    const ScopedEnv thread_on("CACHEALLOC_EVENT_THREAD", "1");
+    CudaRuntimeBackend threaded(test_device());
+    TestStream other;
+    GPU_REQUIRE_OK(launch_spin(cycles_for_ms(30), s.get()));
+    const EventId ev = threaded.record_event(s.id());
+    REQUIRE(CudaEventPool::is_posted(ev));
+    CHECK_FALSE(threaded.query_event(ev));  // queued, or recorded behind the spin
+    CHECK(cudaGetLastError() == cudaSuccess);
+    // A stream made to wait for a posted record waits for the spin (the record is made first).
+    REQUIRE(threaded.stream_wait_event(other.id(), ev));
+    CHECK(cudaStreamQuery(other.get()) == cudaErrorNotReady);
+    (void)cudaGetLastError();
+    threaded.synchronize_event(ev);
+    CHECK(threaded.query_event(ev));
+    GPU_REQUIRE_OK(cudaStreamSynchronize(other.get()));
+    threaded.destroy_event(ev);
+    // Many records on two streams, most made by the thread (the caller sleeps before it asks).
+    GPU_REQUIRE_OK(launch_spin(cycles_for_ms(10), s.get()));
+    std::vector<EventId> many;
+    for (int i = 0; i < 40; ++i) {
+      many.push_back(threaded.record_event(i % 2 == 0 ? s.id() : StreamId{0}));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    for (EventId e : many) {
+      threaded.synchronize_event(e);
+      CHECK(threaded.query_event(e));
+      threaded.destroy_event(e);
+    }
+    const CudaEventPool& pool = threaded.event_pool();
+    std::printf("cuda_runtime: record thread made %llu records (%.1f us each), callers %llu, wakes %llu\n",
+                static_cast<unsigned long long>(pool.thread_records()),
+                pool.thread_records() != 0 ? static_cast<double>(pool.thread_ns()) / 1e3 / static_cast<double>(pool.thread_records()) : 0.0,
+                static_cast<unsigned long long>(pool.thread_caller_records()),
+                static_cast<unsigned long long>(pool.thread_wakes()));
+    CHECK(pool.thread_records() + pool.thread_caller_records() == 41);
+    CHECK(pool.thread_records() >= 30);
+    CHECK(threaded.background_work().event_records == pool.thread_records());
+    CHECK(threaded.counters().events_recorded == 41);
+    CHECK(pool.created() == 0);  // no event of the plain pool: every record was posted
   }
   CHECK(current_device() == before);
 }

@@ -3,6 +3,8 @@
 #include <cachealloc/cuda/event_pool.h>
 #include <cachealloc/cuda/streams.h>
 
+#include <cachealloc/errors.h>
+
 #include "cuda_check.h"
 #include "driver_api.h"
 
@@ -10,12 +12,30 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <string>
 #include <string_view>
 #include <thread>
 
 namespace cachealloc {
 
+CudaEventPool::CudaEventPool(int device) noexcept : device_(device) {
+  // Opt-in while it is measured (Note [Event records on a thread of their own]).
+  const char* v = std::getenv("CACHEALLOC_EVENT_THREAD");
+  thread_wanted_ = v != nullptr && std::string_view(v) == "1";
+}
+
 CudaEventPool::~CudaEventPool() {
+  thread_.reset();  // records what is queued, then joins: nothing uses the events after this
+  if (!slots_.empty()) {
+    try {
+      CudaDeviceGuard guard(device_);
+      for (const auto& slot : slots_) {
+        CACHEALLOC_CUDA_WARN(cudaEventDestroy(to_event(slot->event)));
+      }
+    } catch (const std::exception& e) {
+      cuda_detail::warn_exception("cudaEventDestroy: device guard", e);
+    }
+  }
   if (counters_ != nullptr) {
     try {
       CudaDeviceGuard guard(device_);
@@ -156,7 +176,63 @@ EventId CudaEventPool::record(StreamId stream) {
       fences_ = FenceMode::off;  // not on this device after all: events from now on
     }
   }
+  if (thread_wanted_) {  // Note [Event records on a thread of their own] (record_thread.h)
+    RecordThread::Slot& slot = take_slot();
+    thread_->submit(slot, stream);
+    if (slot.state.load(std::memory_order_acquire) == RecordThread::Slot::kFailed) {
+      idle_slots_.push_back(&slot);  // capacity reserved in take_slot(): cannot throw
+      check_recorded(slot);
+    }
+    return kPostedBit | static_cast<EventId>(reinterpret_cast<std::uintptr_t>(&slot));
+  }
   return record_event(stream);
+}
+
+RecordThread::Slot& CudaEventPool::take_slot() {
+  if (!idle_slots_.empty()) {
+    RecordThread::Slot* slot = idle_slots_.back();
+    idle_slots_.pop_back();
+    return *slot;
+  }
+  if (!thread_) {
+    const int device = device_;
+    thread_ = std::make_unique<RecordThread>(
+        [device](std::uintptr_t event, StreamId stream) -> int {
+          CudaDeviceGuard guard(device);  // the legacy default stream (0) is per device
+          const cudaError_t status = cudaEventRecord(to_event(event), to_cuda_stream(stream));
+          if (status != cudaSuccess) {
+            (void)cudaGetLastError();  // reported through the slot, not as this thread's last error
+          }
+          return static_cast<int>(status);
+        },
+        [device] {
+          // Records never invalidate a graph another thread captures in the global mode.
+          CACHEALLOC_CUDA_CHECK(cudaSetDevice(device));
+          cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+          CACHEALLOC_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+        });
+  }
+  // Grow both lists first, so that give_back() (noexcept) always finds room in idle_slots_.
+  if (slots_.size() == slots_.capacity()) {
+    slots_.reserve(slots_.empty() ? 16 : 2 * slots_.size());
+  }
+  idle_slots_.reserve(slots_.capacity());
+  auto slot = std::make_unique<RecordThread::Slot>();
+  CudaDeviceGuard guard(device_);
+  cudaEvent_t ev = nullptr;
+  CACHEALLOC_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  slot->event = reinterpret_cast<std::uintptr_t>(ev);
+  slots_.push_back(std::move(slot));
+  return *slots_.back();
+}
+
+void CudaEventPool::check_recorded(const RecordThread::Slot& slot) {
+  if (slot.state.load(std::memory_order_acquire) == RecordThread::Slot::kFailed) {
+    const auto status = static_cast<cudaError_t>(slot.error);
+    throw DeviceError(std::string("cudaEventRecord (on the record thread): ") +
+                      (slot.error < 0 ? "failed" : cudaGetErrorName(status)) +
+                      (slot.error < 0 ? "" : std::string(" (") + cudaGetErrorString(status) + ")"));
+  }
 }
 
 EventId CudaEventPool::record_event(StreamId stream) {
@@ -185,6 +261,14 @@ EventId CudaEventPool::record_event(StreamId stream) {
 }
 
 bool CudaEventPool::stream_wait(StreamId stream, EventId event) {
+  if (is_posted(event)) {  // a wait on an event not recorded yet would not wait at all
+    RecordThread::Slot& slot = slot_of(event);
+    thread_->record_now(slot);
+    check_recorded(slot);
+    CudaDeviceGuard guard(device_);
+    CACHEALLOC_CUDA_CHECK(cudaStreamWaitEvent(to_cuda_stream(stream), to_event(slot.event), 0));
+    return true;
+  }
   if (is_fence(event)) {
     // A host fence (Note [Host fences instead of events]): the stream waits on the device until
     // the fence's counter reached its sequence. The write was enqueued on its stream before this
@@ -214,6 +298,15 @@ bool CudaEventPool::query(EventId event) {
   if (is_fence(event)) {
     return fence_reached(event);
   }
+  if (is_posted(event)) {
+    const RecordThread::Slot& slot = slot_of(event);
+    const std::uint32_t state = slot.state.load(std::memory_order_acquire);
+    if (state != RecordThread::Slot::kRecorded) {
+      check_recorded(slot);
+      return false;  // queued, or being recorded: the work after the free is not even fenced yet
+    }
+    event = to_id(to_event(slot.event));
+  }
   const cudaError_t status = cudaEventQuery(to_event(event));
   if (status == cudaSuccess) {
     return true;
@@ -231,11 +324,23 @@ void CudaEventPool::synchronize(EventId event) {
     wait_fence(event);
     return;
   }
+  if (is_posted(event)) {
+    RecordThread::Slot& slot = slot_of(event);
+    thread_->record_now(slot);
+    check_recorded(slot);
+    event = to_id(to_event(slot.event));
+  }
   CACHEALLOC_CUDA_CHECK(cudaEventSynchronize(to_event(event)));
 }
 
 void CudaEventPool::give_back(EventId event) noexcept {
   if (event == 0 || is_fence(event)) {
+    return;
+  }
+  if (is_posted(event)) {
+    RecordThread::Slot& slot = slot_of(event);
+    RecordThread::abandon(slot);
+    idle_slots_.push_back(&slot);  // capacity reserved in take_slot()
     return;
   }
   // idle_ has capacity for every event ever created (reserved in record()).

@@ -189,10 +189,13 @@ void CudaVmmBackend::do_unmap_after(std::uintptr_t va, std::size_t bytes, Stream
 }
 
 BackgroundWork CudaVmmBackend::background_work() const noexcept {
-  if (unmapper_ == nullptr) {
-    return {};
+  BackgroundWork work = CudaRuntimeBackend::background_work();  // the event pool's record thread
+  if (unmapper_ != nullptr) {
+    work.unmaps = unmapper_->completed();
+    work.busy_ns = unmapper_->busy_ns();
+    work.blocked_ns = unmapper_->blocked_ns();
   }
-  return BackgroundWork{unmapper_->completed(), unmapper_->busy_ns(), unmapper_->blocked_ns()};
+  return work;
 }
 
 std::size_t CudaVmmBackend::pending_unmaps() const noexcept {

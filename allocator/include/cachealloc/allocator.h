@@ -599,6 +599,8 @@ class CachingAllocator final : public DeviceAllocator {
     s.background_unmaps = bg.unmaps;
     s.background_unmap_ns = bg.busy_ns;
     s.background_unmap_wait_ns = bg.blocked_ns;
+    s.background_event_records = bg.event_records;
+    s.background_event_ns = bg.event_ns;
     if constexpr (requires(const P& p) { p.stat_counters(); }) {
       s.policy_counters = policy_.stat_counters();
     }

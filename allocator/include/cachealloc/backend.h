@@ -69,6 +69,10 @@ struct BackgroundWork {
   std::uint64_t unmaps = 0;      ///< unmaps the thread ran
   std::uint64_t busy_ns = 0;     ///< time the thread spent in them (no caller waited for it)
   std::uint64_t blocked_ns = 0;  ///< time callers blocked until one finished (inside their calls)
+  /// Event records made by the backend's record thread (Note [Event records on a thread of their
+  /// own], record_thread.h) and its time in them (not part of any allocator call).
+  std::uint64_t event_records = 0;
+  std::uint64_t event_ns = 0;
 };
 
 /// One handle of a run mapped by VirtualMemory::map_run.

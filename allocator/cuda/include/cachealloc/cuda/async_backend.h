@@ -93,6 +93,10 @@ class CudaAsyncBackend final : public DeviceBackend, public StreamOrderedMemory 
   [[nodiscard]] const CudaAsyncOptions& options() const noexcept { return options_; }
   [[nodiscard]] cudaMemPool_t pool() const noexcept { return pool_; }
   [[nodiscard]] const CudaEventPool& event_pool() const noexcept { return events_; }
+  /// The event pool's record thread, when it has one (CACHEALLOC_EVENT_THREAD=1).
+  [[nodiscard]] BackgroundWork background_work() const noexcept override {
+    return BackgroundWork{0, 0, 0, events_.thread_records(), events_.thread_ns()};
+  }
   /// Successful allocate_async / free_async calls so far.
   [[nodiscard]] std::uint64_t async_allocations() const noexcept { return async_allocations_; }
   [[nodiscard]] std::uint64_t async_frees() const noexcept { return async_frees_; }

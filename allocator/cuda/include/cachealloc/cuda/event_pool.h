@@ -64,10 +64,12 @@
 // with fences).
 #pragma once
 
+#include <cachealloc/record_thread.h>
 #include <cachealloc/types.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include <cuda_runtime_api.h>
@@ -80,7 +82,8 @@ class DeviceBackend;
 /// serialises calls, see backend.h).
 class CudaEventPool {
  public:
-  explicit CudaEventPool(int device) noexcept : device_(device) {}
+  /// Hands records to a thread of their own when CACHEALLOC_EVENT_THREAD=1 (use_record_thread).
+  explicit CudaEventPool(int device) noexcept;
   ~CudaEventPool();
   CudaEventPool(const CudaEventPool&) = delete;
   CudaEventPool& operator=(const CudaEventPool&) = delete;
@@ -104,6 +107,19 @@ class CudaEventPool {
 
   /// True for an EventId that is a host fence.
   [[nodiscard]] static bool is_fence(EventId id) noexcept { return (id & kFenceBit) != 0; }
+  /// True for an EventId whose record was handed to the record thread (Note [Event records on a
+  /// thread of their own], record_thread.h).
+  [[nodiscard]] static bool is_posted(EventId id) noexcept { return (id & kPostedBit) != 0; }
+  /// Hand record() calls to a thread of their own (before the first record; host fences, when
+  /// on, take precedence). The CUDA backends turn it on under CACHEALLOC_EVENT_THREAD=1.
+  void use_record_thread(bool on) noexcept { thread_wanted_ = on; }
+  /// The record thread's figures (zero without one): records it made and its time in them.
+  [[nodiscard]] std::uint64_t thread_records() const noexcept { return thread_ ? thread_->worker_records() : 0; }
+  [[nodiscard]] std::uint64_t thread_ns() const noexcept { return thread_ ? thread_->worker_ns() : 0; }
+  [[nodiscard]] std::uint64_t thread_caller_records() const noexcept {
+    return thread_ ? thread_->caller_records() : 0;
+  }
+  [[nodiscard]] std::uint64_t thread_wakes() const noexcept { return thread_ ? thread_->wakes() : 0; }
   /// Whether record() hands out host fences (decided at its first call).
   [[nodiscard]] bool fences_enabled() const noexcept { return fences_ == FenceMode::on; }
 
@@ -121,6 +137,7 @@ class CudaEventPool {
 
  private:
   static constexpr EventId kFenceBit = EventId{1} << 63;
+  static constexpr EventId kPostedBit = EventId{1} << 62;  // | a RecordThread::Slot's address
   static constexpr unsigned kSlotShift = 44;
   static constexpr EventId kSequenceMask = (EventId{1} << kSlotShift) - 1;
   static constexpr std::size_t kFenceSlots = 256;
@@ -132,7 +149,19 @@ class CudaEventPool {
   [[nodiscard]] bool fence_reached(EventId id) const noexcept;
   void wait_fence(EventId id);
 
+  /// A slot of the record thread with its own event (created on first need), idle or new.
+  RecordThread::Slot& take_slot();
+  [[nodiscard]] static RecordThread::Slot& slot_of(EventId id) noexcept {
+    return *reinterpret_cast<RecordThread::Slot*>(static_cast<std::uintptr_t>(id & ~kPostedBit));
+  }
+  /// Throws DeviceError for a slot whose record failed.
+  static void check_recorded(const RecordThread::Slot& slot);
+
   int device_;
+  bool thread_wanted_ = false;
+  std::vector<std::unique_ptr<RecordThread::Slot>> slots_;  // every slot (each owns its event)
+  std::vector<RecordThread::Slot*> idle_slots_;
+  std::unique_ptr<RecordThread> thread_;  // started by the first record() that wants it
   std::vector<cudaEvent_t> all_;
   std::vector<cudaEvent_t> idle_;
   FenceMode fences_ = FenceMode::unknown;

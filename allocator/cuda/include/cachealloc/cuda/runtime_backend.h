@@ -38,6 +38,10 @@ class CudaRuntimeBackend : public DeviceBackend {
   void destroy_event(EventId event) noexcept override;
 
   [[nodiscard]] const CudaEventPool& event_pool() const noexcept { return events_; }
+  /// The event pool's record thread, when it has one (CACHEALLOC_EVENT_THREAD=1).
+  [[nodiscard]] BackgroundWork background_work() const noexcept override {
+    return BackgroundWork{0, 0, 0, events_.thread_records(), events_.thread_ns()};
+  }
 
  protected:
   [[nodiscard]] void* do_reserve(std::size_t bytes) override;

@@ -1,0 +1,353 @@
+// Tests of RecordThread (Note [Event records on a thread of their own]): every posted slot is
+// recorded once, after its post; a caller that needs a record now claims it or waits for the
+// worker's call; dropped slots are skipped; failures, a full queue, sleeping and waking, and
+// slots reused while the queue still names them. Run under TSan in CI (tools/run_tests.sh).
+#include <cachealloc/record_thread.h>
+
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <stdexcept>
+#include <thread>
+#include <utility>
+#include <vector>
+
+using cachealloc::RecordThread;
+using cachealloc::RecordThreadTiming;
+using cachealloc::StreamId;
+using Slot = RecordThread::Slot;
+
+namespace {
+
+/// What the fake record function saw: (event, stream, on which thread), in call order.
+struct Log {
+  struct Call {
+    std::uintptr_t event;
+    StreamId stream;
+    std::thread::id thread;
+  };
+  std::mutex m;
+  std::vector<Call> calls;
+  void add(std::uintptr_t event, StreamId stream) {
+    std::lock_guard lock(m);
+    calls.push_back(Call{event, stream, std::this_thread::get_id()});
+  }
+  std::size_t count(std::uintptr_t event, StreamId stream) {
+    std::lock_guard lock(m);
+    std::size_t n = 0;
+    for (const Call& c : calls) {
+      n += static_cast<std::size_t>(c.event == event && c.stream == stream);
+    }
+    return n;
+  }
+  std::size_t size() {
+    std::lock_guard lock(m);
+    return calls.size();
+  }
+};
+
+/// A gate the fake record function waits at (for one chosen event) until the test opens it.
+class Gate {
+ public:
+  void wait() {
+    std::unique_lock lock(m_);
+    entered_ = true;
+    cv_.notify_all();
+    cv_.wait(lock, [&] { return open_; });
+  }
+  void wait_entered() {
+    std::unique_lock lock(m_);
+    cv_.wait(lock, [&] { return entered_; });
+  }
+  void open() {
+    {
+      std::lock_guard lock(m_);
+      open_ = true;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex m_;
+  std::condition_variable cv_;
+  bool entered_ = false;
+  bool open_ = false;
+};
+
+std::vector<std::unique_ptr<Slot>> make_slots(std::size_t n) {
+  std::vector<std::unique_ptr<Slot>> slots;
+  for (std::size_t i = 0; i < n; ++i) {
+    slots.push_back(std::make_unique<Slot>());
+    slots.back()->event = 1000 + i;
+  }
+  return slots;
+}
+
+}  // namespace
+
+TEST_CASE("record thread: every posted slot is recorded once, on the worker", "[core][record_thread]") {
+  Log log;
+  RecordThread t([&](std::uintptr_t ev, StreamId s) {
+    log.add(ev, s);
+    return 0;
+  });
+  auto slots = make_slots(200);
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    t.submit(*slots[i], static_cast<StreamId>(i % 3 + 1));
+  }
+  t.drain();
+  REQUIRE(log.size() == slots.size());
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    CHECK(slots[i]->state.load() == Slot::kRecorded);
+    CHECK(log.count(slots[i]->event, static_cast<StreamId>(i % 3 + 1)) == 1);
+  }
+  for (const auto& c : log.calls) {
+    CHECK(c.thread != std::this_thread::get_id());
+  }
+  CHECK(t.worker_records() == slots.size());
+  CHECK(t.caller_records() == 0);
+}
+
+TEST_CASE("record thread: record_now records a slot the worker has not taken, once", "[core][record_thread]") {
+  Log log;
+  Gate gate;
+  auto slots = make_slots(2);
+  const std::uintptr_t blocked = slots[0]->event;
+  RecordThread t([&](std::uintptr_t ev, StreamId s) {
+    if (ev == blocked) {
+      gate.wait();
+    }
+    log.add(ev, s);
+    return 0;
+  });
+  t.submit(*slots[0], 1);
+  gate.wait_entered();  // the worker is inside slot 0's record
+  t.submit(*slots[1], 2);  // queued behind it
+  CHECK(slots[1]->state.load() == Slot::kQueued);
+  t.record_now(*slots[1]);
+  CHECK(slots[1]->state.load() == Slot::kRecorded);
+  CHECK(log.count(slots[1]->event, 2) == 1);
+  CHECK(t.caller_records() == 1);
+  gate.open();
+  t.drain();
+  CHECK(log.count(slots[1]->event, 2) == 1);  // the worker skipped it
+  CHECK(log.count(slots[0]->event, 1) == 1);
+  CHECK(t.worker_records() == 1);
+}
+
+TEST_CASE("record thread: record_now waits for the worker's call in progress", "[core][record_thread]") {
+  Gate gate;
+  auto slots = make_slots(1);
+  std::atomic<bool> finished{false};
+  RecordThread t([&](std::uintptr_t, StreamId) {
+    gate.wait();
+    finished.store(true);
+    return 0;
+  });
+  t.submit(*slots[0], 1);
+  gate.wait_entered();
+  std::atomic<bool> returned{false};
+  std::thread caller([&] {
+    t.record_now(*slots[0]);
+    returned.store(true);
+    CHECK(finished.load());  // it returned only after the worker's record
+    CHECK(slots[0]->state.load() == Slot::kRecorded);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  CHECK_FALSE(returned.load());
+  gate.open();
+  caller.join();
+  CHECK(returned.load());
+  CHECK(t.caller_records() == 0);
+}
+
+TEST_CASE("record thread: an abandoned slot is not recorded, one being recorded is waited for",
+          "[core][record_thread]") {
+  Log log;
+  Gate gate;
+  auto slots = make_slots(2);
+  const std::uintptr_t blocked = slots[0]->event;
+  RecordThread t([&](std::uintptr_t ev, StreamId s) {
+    if (ev == blocked) {
+      gate.wait();
+    }
+    log.add(ev, s);
+    return 0;
+  });
+  t.submit(*slots[0], 1);
+  gate.wait_entered();
+  t.submit(*slots[1], 2);
+  RecordThread::abandon(*slots[1]);
+  CHECK(slots[1]->state.load() == Slot::kIdle);
+  std::thread opener([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    gate.open();
+  });
+  RecordThread::abandon(*slots[0]);  // in the worker's hands: returns once its record finished
+  CHECK(slots[0]->state.load() == Slot::kRecorded);
+  opener.join();
+  t.drain();
+  CHECK(log.count(slots[1]->event, 2) == 0);
+  CHECK(log.size() == 1);
+}
+
+TEST_CASE("record thread: a failed record keeps its code", "[core][record_thread]") {
+  RecordThread t([](std::uintptr_t, StreamId s) { return s == 13 ? 7 : 0; });
+  auto slots = make_slots(3);
+  t.submit(*slots[0], 12);
+  t.submit(*slots[1], 13);
+  RecordThread throwing([](std::uintptr_t, StreamId) -> int { throw std::runtime_error("driver gone"); });
+  throwing.submit(*slots[2], 1);
+  t.drain();
+  throwing.drain();
+  CHECK(slots[0]->state.load() == Slot::kRecorded);
+  CHECK(slots[1]->state.load() == Slot::kFailed);
+  CHECK(slots[1]->error == 7);
+  CHECK(slots[2]->state.load() == Slot::kFailed);
+  CHECK(slots[2]->error == -1);
+}
+
+TEST_CASE("record thread: a full queue records on the caller", "[core][record_thread]") {
+  Log log;
+  Gate gate;
+  const std::size_t extra = 5;
+  auto slots = make_slots(RecordThread::kCapacity + extra);
+  const std::uintptr_t blocked = slots[0]->event;
+  RecordThread t([&](std::uintptr_t ev, StreamId s) {
+    if (ev == blocked) {
+      gate.wait();
+    }
+    log.add(ev, s);
+    return 0;
+  });
+  t.submit(*slots[0], 1);
+  gate.wait_entered();  // slot 0 keeps its place in the ring until its record returns
+  for (std::size_t i = 1; i < slots.size(); ++i) {
+    t.submit(*slots[i], 1);
+  }
+  CHECK(t.caller_records() == extra);
+  gate.open();
+  t.drain();
+  for (const auto& s : slots) {
+    CHECK(log.count(s->event, 1) == 1);
+  }
+}
+
+TEST_CASE("record thread: the worker sleeps when idle and a post wakes it", "[core][record_thread]") {
+  Log log;
+  RecordThreadTiming timing;
+  timing.poll = std::chrono::microseconds(50);
+  timing.linger = std::chrono::microseconds(1000);
+  RecordThread t(
+      [&](std::uintptr_t ev, StreamId s) {
+        log.add(ev, s);
+        return 0;
+      },
+      {}, timing);
+  auto slots = make_slots(40);
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    t.submit(*slots[i], 1);
+    if (i % 4 == 3) {
+      t.drain();
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));  // past the linger: it sleeps
+    }
+  }
+  t.drain();
+  CHECK(log.size() == slots.size());
+  CHECK(t.wakes() >= 1);
+  CHECK(t.worker_records() + t.caller_records() == slots.size());
+}
+
+TEST_CASE("record thread: destruction records what is queued, drain_record_threads drains", "[core][record_thread]") {
+  Log log;
+  auto slots = make_slots(50);
+  {
+    RecordThread t([&](std::uintptr_t ev, StreamId s) {
+      log.add(ev, s);
+      return 0;
+    });
+    for (std::size_t i = 0; i < 25; ++i) {
+      t.submit(*slots[i], 4);
+    }
+    cachealloc::drain_record_threads();
+    CHECK(log.size() == 25);
+    for (std::size_t i = 25; i < slots.size(); ++i) {
+      t.submit(*slots[i], 4);
+    }
+  }
+  CHECK(log.size() == slots.size());
+  for (const auto& s : slots) {
+    CHECK(s->state.load() == Slot::kRecorded);
+  }
+  cachealloc::drain_record_threads();  // no thread left: returns
+}
+
+TEST_CASE("record thread: slots reused while the queue still names them are recorded after their latest submit",
+          "[core][record_thread]") {
+  // A few slots cycled through submit / record_now / abandon in random order, each submit with a
+  // fresh stream id. The record function checks that the id it is given is the slot's current
+  // one (a record made for an older submit, after the slot moved on, would be the bug), and every
+  // record_now returns with the current id recorded.
+  constexpr std::size_t kSlots = 6;
+  auto slots = make_slots(kSlots);
+  std::vector<std::atomic<StreamId>> current(kSlots);
+  std::atomic<std::size_t> stale{0};
+  Log log;
+  RecordThreadTiming timing;
+  timing.poll = std::chrono::microseconds(10);
+  timing.linger = std::chrono::microseconds(200);
+  RecordThread t(
+      [&](std::uintptr_t ev, StreamId s) {
+        const std::size_t i = ev - 1000;
+        if (current[i].load() != s) {
+          stale.fetch_add(1);
+        }
+        log.add(ev, s);
+        return 0;
+      },
+      {}, timing);
+  std::mt19937 rng(12345);
+  StreamId next = 1;
+  std::vector<bool> in_use(kSlots, false);
+  std::size_t record_nows = 0;
+  for (int op = 0; op < 20000; ++op) {
+    const std::size_t i = rng() % kSlots;
+    Slot& slot = *slots[i];
+    switch (rng() % 4) {
+      case 0:
+      case 1:
+        if (in_use[i]) {
+          RecordThread::abandon(slot);  // as CudaEventPool::give_back
+        }
+        current[i].store(next);
+        t.submit(slot, next++);
+        in_use[i] = true;
+        break;
+      case 2:
+        if (in_use[i]) {
+          t.record_now(slot);
+          ++record_nows;
+          REQUIRE(slot.state.load() == Slot::kRecorded);
+          REQUIRE(log.count(slot.event, current[i].load()) == 1);
+        }
+        break;
+      default:
+        if (in_use[i]) {
+          RecordThread::abandon(slot);
+          in_use[i] = false;
+        }
+        break;
+    }
+  }
+  t.drain();
+  CHECK(stale.load() == 0);
+  CHECK(record_nows > 1000);
+  CHECK(t.worker_records() + t.caller_records() == log.size());
+}
