@@ -384,7 +384,10 @@ def memory_stats(device: DeviceLike = None) -> dict[str, int]:
     ``reserve_ns``, ``release_ns``, ``create_ns``, ``release_physical_ns``, ``map_ns`` and
     ``unmap_ns`` (the time inside each kind of device memory call), ``background_unmaps``,
     ``background_unmap_ns`` and ``background_unmap_wait_ns`` (unmaps run by the VMM backend's own
-    thread, its time in them, and the time allocations waited for them), ``parked_waits`` and
+    thread, its time in them, and the time allocations waited for them),
+    ``background_event_records`` and ``background_event_ns`` (event records made by the CUDA
+    event pool's own thread under ``CACHEALLOC_EVENT_THREAD=1``, and its time in them),
+    ``parked_waits`` and
     ``parked_wait_ns`` (allocations that waited for frees parked behind other streams instead of
     growing, and the time they waited: ``wait_parked_to_grow``), ``parked_reuses``,
     ``parked_reuse_bytes`` and ``parked_reuse_waits`` (frees parked behind a stream that an
