@@ -6,6 +6,8 @@
 
 #include <catch2/catch.hpp>
 
+#include "../gate.h"
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -21,30 +23,7 @@
 using cachealloc::BackgroundUnmapper;
 using cachealloc::DeviceError;
 
-namespace {
-
-/// A gate the fake unmap waits at until the test opens it.
-class Gate {
- public:
-  void wait() {
-    std::unique_lock lock(m_);
-    cv_.wait(lock, [&] { return open_; });
-  }
-  void open() {
-    {
-      std::lock_guard lock(m_);
-      open_ = true;
-    }
-    cv_.notify_all();
-  }
-
- private:
-  std::mutex m_;
-  std::condition_variable cv_;
-  bool open_ = false;
-};
-
-}  // namespace
+using cachealloc::test::Gate;
 
 TEST_CASE("background unmapper: runs the unmaps in order, on another thread", "[core][unmapper]") {
   std::mutex m;

@@ -6,6 +6,8 @@
 
 #include <catch2/catch.hpp>
 
+#include "../gate.h"
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -23,6 +25,7 @@ using cachealloc::RecordThread;
 using cachealloc::RecordThreadTiming;
 using cachealloc::StreamId;
 using Slot = RecordThread::Slot;
+using cachealloc::test::Gate;
 
 namespace {
 
@@ -53,33 +56,6 @@ struct Log {
   }
 };
 
-/// A gate the fake record function waits at (for one chosen event) until the test opens it.
-class Gate {
- public:
-  void wait() {
-    std::unique_lock lock(m_);
-    entered_ = true;
-    cv_.notify_all();
-    cv_.wait(lock, [&] { return open_; });
-  }
-  void wait_entered() {
-    std::unique_lock lock(m_);
-    cv_.wait(lock, [&] { return entered_; });
-  }
-  void open() {
-    {
-      std::lock_guard lock(m_);
-      open_ = true;
-    }
-    cv_.notify_all();
-  }
-
- private:
-  std::mutex m_;
-  std::condition_variable cv_;
-  bool entered_ = false;
-  bool open_ = false;
-};
 
 std::vector<std::unique_ptr<Slot>> make_slots(std::size_t n) {
   std::vector<std::unique_ptr<Slot>> slots;
@@ -90,14 +66,46 @@ std::vector<std::unique_ptr<Slot>> make_slots(std::size_t n) {
   return slots;
 }
 
+/// A logging record function that stops inside the record of `blocked` (non-zero) until `gate`
+/// opens.
+RecordThread::RecordFn logging_until_open(Log& log, Gate& gate, std::uintptr_t blocked) {
+  return [&log, &gate, blocked](std::uintptr_t ev, StreamId s) {
+    if (blocked != 0 && ev == blocked) {
+      gate.wait();
+    }
+    log.add(ev, s);
+    return 0;
+  };
+}
+
+/// A record function that only logs.
+RecordThread::RecordFn logging(Log& log) {
+  static Gate never;
+  return logging_until_open(log, never, 0);
+}
+
+/// A record thread whose worker is inside the record of slots[0] (posted on stream 1) until the
+/// gate opens; the destructor opens it.
+struct WorkerHeld {
+  explicit WorkerHeld(std::size_t n) : slots(make_slots(n)), t(logging_until_open(log, gate, slots[0]->event)) {
+    t.submit(*slots[0], 1);
+    gate.wait_entered();
+  }
+  ~WorkerHeld() { gate.open(); }
+  WorkerHeld(const WorkerHeld&) = delete;
+  WorkerHeld& operator=(const WorkerHeld&) = delete;
+
+  Log log;
+  Gate gate;
+  std::vector<std::unique_ptr<Slot>> slots;
+  RecordThread t;
+};
+
 }  // namespace
 
 TEST_CASE("record thread: every posted slot is recorded once, on the worker", "[core][record_thread]") {
   Log log;
-  RecordThread t([&](std::uintptr_t ev, StreamId s) {
-    log.add(ev, s);
-    return 0;
-  });
+  RecordThread t(logging(log));
   auto slots = make_slots(200);
   for (std::size_t i = 0; i < slots.size(); ++i) {
     t.submit(*slots[i], static_cast<StreamId>(i % 3 + 1));
@@ -116,19 +124,8 @@ TEST_CASE("record thread: every posted slot is recorded once, on the worker", "[
 }
 
 TEST_CASE("record thread: record_now records a slot the worker has not taken, once", "[core][record_thread]") {
-  Log log;
-  Gate gate;
-  auto slots = make_slots(2);
-  const std::uintptr_t blocked = slots[0]->event;
-  RecordThread t([&](std::uintptr_t ev, StreamId s) {
-    if (ev == blocked) {
-      gate.wait();
-    }
-    log.add(ev, s);
-    return 0;
-  });
-  t.submit(*slots[0], 1);
-  gate.wait_entered();  // the worker is inside slot 0's record
+  WorkerHeld h(2);  // the worker is inside slot 0's record
+  auto& [log, gate, slots, t] = h;
   t.submit(*slots[1], 2);  // queued behind it
   CHECK(slots[1]->state.load() == Slot::kQueued);
   t.record_now(*slots[1]);
@@ -170,19 +167,8 @@ TEST_CASE("record thread: record_now waits for the worker's call in progress", "
 
 TEST_CASE("record thread: an abandoned slot is not recorded, one being recorded is waited for",
           "[core][record_thread]") {
-  Log log;
-  Gate gate;
-  auto slots = make_slots(2);
-  const std::uintptr_t blocked = slots[0]->event;
-  RecordThread t([&](std::uintptr_t ev, StreamId s) {
-    if (ev == blocked) {
-      gate.wait();
-    }
-    log.add(ev, s);
-    return 0;
-  });
-  t.submit(*slots[0], 1);
-  gate.wait_entered();
+  WorkerHeld h(2);
+  auto& [log, gate, slots, t] = h;
   t.submit(*slots[1], 2);
   RecordThread::abandon(*slots[1]);
   CHECK(slots[1]->state.load() == Slot::kIdle);
@@ -215,20 +201,9 @@ TEST_CASE("record thread: a failed record keeps its code", "[core][record_thread
 }
 
 TEST_CASE("record thread: a full queue records on the caller", "[core][record_thread]") {
-  Log log;
-  Gate gate;
   const std::size_t extra = 5;
-  auto slots = make_slots(RecordThread::kCapacity + extra);
-  const std::uintptr_t blocked = slots[0]->event;
-  RecordThread t([&](std::uintptr_t ev, StreamId s) {
-    if (ev == blocked) {
-      gate.wait();
-    }
-    log.add(ev, s);
-    return 0;
-  });
-  t.submit(*slots[0], 1);
-  gate.wait_entered();  // slot 0 keeps its place in the ring until its record returns
+  WorkerHeld h(RecordThread::kCapacity + extra);  // slot 0 keeps its place in the ring until its record returns
+  auto& [log, gate, slots, t] = h;
   for (std::size_t i = 1; i < slots.size(); ++i) {
     t.submit(*slots[i], 1);
   }
@@ -245,12 +220,7 @@ TEST_CASE("record thread: the worker sleeps when idle and a post wakes it", "[co
   RecordThreadTiming timing;
   timing.poll = std::chrono::microseconds(50);
   timing.linger = std::chrono::microseconds(1000);
-  RecordThread t(
-      [&](std::uintptr_t ev, StreamId s) {
-        log.add(ev, s);
-        return 0;
-      },
-      {}, timing);
+  RecordThread t(logging(log), {}, timing);
   auto slots = make_slots(40);
   for (std::size_t i = 0; i < slots.size(); ++i) {
     t.submit(*slots[i], 1);
@@ -269,10 +239,7 @@ TEST_CASE("record thread: destruction records what is queued, drain_record_threa
   Log log;
   auto slots = make_slots(50);
   {
-    RecordThread t([&](std::uintptr_t ev, StreamId s) {
-      log.add(ev, s);
-      return 0;
-    });
+    RecordThread t(logging(log));
     for (std::size_t i = 0; i < 25; ++i) {
       t.submit(*slots[i], 4);
     }
