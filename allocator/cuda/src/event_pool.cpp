@@ -303,7 +303,7 @@ bool CudaEventPool::query(EventId event) {
     const std::uint32_t state = slot.state.load(std::memory_order_acquire);
     if (state != RecordThread::Slot::kRecorded) {
       check_recorded(slot);
-      return false;  // queued, or being recorded: the work after the free is not even fenced yet
+      return false;  // queued, or being recorded: nothing fences the work before the free yet
     }
     event = to_id(to_event(slot.event));
   }

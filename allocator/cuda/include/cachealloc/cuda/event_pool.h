@@ -82,7 +82,8 @@ class DeviceBackend;
 /// serialises calls, see backend.h).
 class CudaEventPool {
  public:
-  /// Hands records to a thread of their own when CACHEALLOC_EVENT_THREAD=1 (use_record_thread).
+  /// Hands record() calls to a thread of their own when CACHEALLOC_EVENT_THREAD=1 is set at
+  /// construction (host fences, when on, take precedence).
   explicit CudaEventPool(int device) noexcept;
   ~CudaEventPool();
   CudaEventPool(const CudaEventPool&) = delete;
@@ -110,9 +111,6 @@ class CudaEventPool {
   /// True for an EventId whose record was handed to the record thread (Note [Event records on a
   /// thread of their own], record_thread.h).
   [[nodiscard]] static bool is_posted(EventId id) noexcept { return (id & kPostedBit) != 0; }
-  /// Hand record() calls to a thread of their own (before the first record; host fences, when
-  /// on, take precedence). The CUDA backends turn it on under CACHEALLOC_EVENT_THREAD=1.
-  void use_record_thread(bool on) noexcept { thread_wanted_ = on; }
   /// The record thread's figures (zero without one): records it made and its time in them.
   [[nodiscard]] std::uint64_t thread_records() const noexcept { return thread_ ? thread_->worker_records() : 0; }
   [[nodiscard]] std::uint64_t thread_ns() const noexcept { return thread_ ? thread_->worker_ns() : 0; }
