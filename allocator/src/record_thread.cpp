@@ -72,11 +72,18 @@ bool RecordThread::post(Slot& slot) noexcept {
   // Pairs with the worker's fence between `sleeping_ = true` and its last look at tail_: one of
   // the two sees the other's store (Note [Event records on a thread of their own]).
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  if (sleeping_.load(std::memory_order_relaxed) && sleeping_.exchange(false, std::memory_order_acq_rel)) {
-    wake_.fetch_add(1, std::memory_order_release);
-    wake_.notify_one();
+  if (wake_if_sleeping()) {
     wakes_.fetch_add(1, std::memory_order_relaxed);
   }
+  return true;
+}
+
+bool RecordThread::wake_if_sleeping() noexcept {
+  if (!sleeping_.load(std::memory_order_relaxed) || !sleeping_.exchange(false, std::memory_order_acq_rel)) {
+    return false;
+  }
+  wake_.fetch_add(1, std::memory_order_release);
+  wake_.notify_one();
   return true;
 }
 
@@ -119,10 +126,12 @@ void RecordThread::record_now(Slot& slot) noexcept {
   if (claim_and_record(slot, /*on_worker=*/false)) {
     return;
   }
-  std::uint32_t s = slot.state.load(std::memory_order_acquire);
-  while (s == Slot::kClaimed) {  // the worker is inside its driver call for this slot
+  wait_while_claimed(slot);
+}
+
+void RecordThread::wait_while_claimed(Slot& slot) noexcept {
+  while (slot.state.load(std::memory_order_acquire) == Slot::kClaimed) {  // inside its record call
     slot.state.wait(Slot::kClaimed, std::memory_order_acquire);
-    s = slot.state.load(std::memory_order_acquire);
   }
 }
 
@@ -131,19 +140,13 @@ void RecordThread::abandon(Slot& slot) noexcept {
   if (slot.state.compare_exchange_strong(s, Slot::kIdle, std::memory_order_acq_rel, std::memory_order_acquire)) {
     return;  // never recorded: the worker will find it idle and skip it
   }
-  while (s == Slot::kClaimed) {
-    slot.state.wait(Slot::kClaimed, std::memory_order_acquire);
-    s = slot.state.load(std::memory_order_acquire);
-  }
+  wait_while_claimed(slot);
 }
 
 void RecordThread::drain() noexcept {
   const std::uint64_t target = tail_.load(std::memory_order_acquire);
   while (head_.load(std::memory_order_acquire) < target) {
-    if (sleeping_.load(std::memory_order_acquire) && sleeping_.exchange(false, std::memory_order_acq_rel)) {
-      wake_.fetch_add(1, std::memory_order_release);
-      wake_.notify_one();
-    }
+    wake_if_sleeping();
     std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
 }

@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <exception>
+#include <functional>
 
 #include <cuda_runtime_api.h>
 
@@ -27,6 +28,11 @@ struct MemoryInfo {
   std::size_t total_bytes;
 };
 MemoryInfo memory_info(int device);
+
+/// What the backends' own threads (the unmapper, the event pool's record thread) do first: the
+/// device current, and the stream-capture mode relaxed, so that their calls never invalidate a
+/// graph another thread captures in the default global mode (capture_guard_backend.h).
+std::function<void()> backend_thread_init(int device);
 
 /// Initialises the runtime's primary context on `device` (cudaSetDevice + cudaFree(nullptr))
 /// and checks the device exists. Throws DeviceError.

@@ -52,6 +52,14 @@ MemoryInfo memory_info(int device) {
   return info;
 }
 
+std::function<void()> backend_thread_init(int device) {
+  return [device] {
+    CACHEALLOC_CUDA_CHECK(cudaSetDevice(device));
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    CACHEALLOC_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+  };
+}
+
 void initialise_device(int device) {
   int count = 0;
   const cudaError_t status = cudaGetDeviceCount(&count);

@@ -205,12 +205,7 @@ RecordThread::Slot& CudaEventPool::take_slot() {
           }
           return static_cast<int>(status);
         },
-        [device] {
-          // Records never invalidate a graph another thread captures in the global mode.
-          CACHEALLOC_CUDA_CHECK(cudaSetDevice(device));
-          cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-          CACHEALLOC_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
-        });
+        cuda_detail::backend_thread_init(device));
   }
   // Grow both lists first, so that give_back() (noexcept) always finds room in idle_slots_.
   if (slots_.size() == slots_.capacity()) {
@@ -224,6 +219,13 @@ RecordThread::Slot& CudaEventPool::take_slot() {
   slot->event = reinterpret_cast<std::uintptr_t>(ev);
   slots_.push_back(std::move(slot));
   return *slots_.back();
+}
+
+cudaEvent_t CudaEventPool::record_posted_now(EventId id) {
+  RecordThread::Slot& slot = slot_of(id);
+  thread_->record_now(slot);
+  check_recorded(slot);
+  return to_event(slot.event);
 }
 
 void CudaEventPool::check_recorded(const RecordThread::Slot& slot) {
@@ -262,11 +264,9 @@ EventId CudaEventPool::record_event(StreamId stream) {
 
 bool CudaEventPool::stream_wait(StreamId stream, EventId event) {
   if (is_posted(event)) {  // a wait on an event not recorded yet would not wait at all
-    RecordThread::Slot& slot = slot_of(event);
-    thread_->record_now(slot);
-    check_recorded(slot);
+    const cudaEvent_t recorded = record_posted_now(event);
     CudaDeviceGuard guard(device_);
-    CACHEALLOC_CUDA_CHECK(cudaStreamWaitEvent(to_cuda_stream(stream), to_event(slot.event), 0));
+    CACHEALLOC_CUDA_CHECK(cudaStreamWaitEvent(to_cuda_stream(stream), recorded, 0));
     return true;
   }
   if (is_fence(event)) {
@@ -325,10 +325,7 @@ void CudaEventPool::synchronize(EventId event) {
     return;
   }
   if (is_posted(event)) {
-    RecordThread::Slot& slot = slot_of(event);
-    thread_->record_now(slot);
-    check_recorded(slot);
-    event = to_id(to_event(slot.event));
+    event = to_id(record_posted_now(event));
   }
   CACHEALLOC_CUDA_CHECK(cudaEventSynchronize(to_event(event)));
 }

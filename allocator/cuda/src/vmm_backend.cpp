@@ -34,17 +34,6 @@ CUmemAllocationProp pinned_on(int device) {
 
 CUdeviceptr to_cu(std::uintptr_t va) noexcept { return static_cast<CUdeviceptr>(va); }
 
-/// What the backend's own threads (the unmapper, the map workers) do first: the device current,
-/// and the stream-capture mode relaxed, so that their calls never invalidate a graph another
-/// thread captures in the default global mode (capture_guard_backend.h).
-std::function<void()> backend_thread_init(int device) {
-  return [device] {
-    CACHEALLOC_CUDA_CHECK(cudaSetDevice(device));
-    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-    CACHEALLOC_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
-  };
-}
-
 /// Maps `pieces` back to back from `va`, then grants the device access to all of them in one
 /// call. Returns the first failure (CUDA_SUCCESS if none) and sets `mapped` to the bytes left
 /// mapped from `va` (the caller unmaps them when anything failed).
@@ -119,7 +108,7 @@ CudaVmmBackend::CudaVmmBackend(int device, CudaVmmOptions options)
                      ? std::string()
                      : cuda_detail::describe_driver_error(status, "cuMemUnmap", __FILE__, __LINE__);
         },
-        backend_thread_init(device),
+        cuda_detail::backend_thread_init(device),
         [this](std::uint64_t after) -> std::string {
           // Note [Moving pages a stream still uses]: the stream's work that used the range.
           auto* event = reinterpret_cast<cudaEvent_t>(static_cast<std::uintptr_t>(after));

@@ -107,6 +107,10 @@ class RecordThread {
   /// Claims `slot` if it is still queued; records it then (returns true).
   bool claim_and_record(Slot& slot, bool on_worker) noexcept;
   bool start() noexcept;
+  /// Wakes the worker when it sleeps on the futex; true when it did.
+  bool wake_if_sleeping() noexcept;
+  /// Returns once `slot` is not in a record call (the worker's or another caller's).
+  static void wait_while_claimed(Slot& slot) noexcept;
 
   RecordFn record_;
   ThreadInit init_;

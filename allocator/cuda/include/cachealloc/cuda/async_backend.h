@@ -95,7 +95,7 @@ class CudaAsyncBackend final : public DeviceBackend, public StreamOrderedMemory 
   [[nodiscard]] const CudaEventPool& event_pool() const noexcept { return events_; }
   /// The event pool's record thread, when it has one (CACHEALLOC_EVENT_THREAD=1).
   [[nodiscard]] BackgroundWork background_work() const noexcept override {
-    return BackgroundWork{0, 0, 0, events_.thread_records(), events_.thread_ns()};
+    return events_.thread_work();
   }
   /// Successful allocate_async / free_async calls so far.
   [[nodiscard]] std::uint64_t async_allocations() const noexcept { return async_allocations_; }

@@ -64,6 +64,7 @@
 // with fences).
 #pragma once
 
+#include <cachealloc/backend.h>
 #include <cachealloc/record_thread.h>
 #include <cachealloc/types.h>
 
@@ -114,6 +115,13 @@ class CudaEventPool {
   /// The record thread's figures (zero without one): records it made and its time in them.
   [[nodiscard]] std::uint64_t thread_records() const noexcept { return thread_ ? thread_->worker_records() : 0; }
   [[nodiscard]] std::uint64_t thread_ns() const noexcept { return thread_ ? thread_->worker_ns() : 0; }
+  /// The same as the backends report them (BackgroundWork's event fields; the rest zero).
+  [[nodiscard]] BackgroundWork thread_work() const noexcept {
+    BackgroundWork work;
+    work.event_records = thread_records();
+    work.event_ns = thread_ns();
+    return work;
+  }
   [[nodiscard]] std::uint64_t thread_caller_records() const noexcept {
     return thread_ ? thread_->caller_records() : 0;
   }
@@ -154,6 +162,9 @@ class CudaEventPool {
   }
   /// Throws DeviceError for a slot whose record failed.
   static void check_recorded(const RecordThread::Slot& slot);
+  /// The event of posted `id`, recorded by the time this returns (by this thread when the record
+  /// thread has not taken it yet). Throws DeviceError when the record failed.
+  cudaEvent_t record_posted_now(EventId id);
 
   int device_;
   bool thread_wanted_ = false;
