@@ -93,6 +93,8 @@ std::map<std::string, std::int64_t> Stats::to_map() const {
   m["background_unmap_wait_ns"] = static_cast<std::int64_t>(background_unmap_wait_ns);
   m["background_event_records"] = static_cast<std::int64_t>(background_event_records);
   m["background_event_ns"] = static_cast<std::int64_t>(background_event_ns);
+  m["background_event_queries"] = static_cast<std::int64_t>(background_event_queries);
+  m["background_event_query_ns"] = static_cast<std::int64_t>(background_event_query_ns);
   m["num_maps"] = static_cast<std::int64_t>(num_maps);
   m["num_unmaps"] = static_cast<std::int64_t>(num_unmaps);
   m["bytes_mapped"] = static_cast<std::int64_t>(bytes_mapped);

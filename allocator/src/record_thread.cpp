@@ -2,6 +2,7 @@
 #include <cachealloc/record_thread.h>
 
 #include <algorithm>
+#include <iterator>
 #include <mutex>
 #include <system_error>
 #include <vector>
@@ -20,10 +21,17 @@ std::vector<RecordThread*>& registry() {
   return threads;
 }
 
+/// Pauses in force (Note [The record thread watches its events]): workers poll only at 0.
+std::atomic<int> g_poll_pauses{0};
+
 }  // namespace
 
-RecordThread::RecordThread(RecordFn record, ThreadInit init, Timing timing)
-    : record_(std::move(record)), init_(std::move(init)), timing_(timing), ring_(new Slot*[kCapacity]) {}
+RecordThread::RecordThread(RecordFn record, ThreadInit init, Timing timing, QueryFn query)
+    : record_(std::move(record)),
+      init_(std::move(init)),
+      timing_(timing),
+      query_(std::move(query)),
+      ring_(new Slot*[kCapacity]) {}
 
 RecordThread::~RecordThread() {
   if (started_ != Started::yes) {
@@ -88,6 +96,7 @@ bool RecordThread::wake_if_sleeping() noexcept {
 }
 
 void RecordThread::submit(Slot& slot, StreamId stream) noexcept {
+  slot.generation.fetch_add(1, std::memory_order_relaxed);  // published by the kQueued store
   slot.stream = stream;
   slot.error = 0;
   slot.state.store(Slot::kQueued, std::memory_order_release);
@@ -109,6 +118,13 @@ bool RecordThread::claim_and_record(Slot& slot, bool on_worker) noexcept {
   } catch (...) {  // NOLINT(bugprone-empty-catch): rc stays -1, the slot fails
   }
   slot.error = rc;
+  if (rc == 0 && on_worker && query_) {
+    // Stable while claimed: the producer bumps it only in submit(), after abandon() waited.
+    const std::uint64_t generation = slot.generation.load(std::memory_order_relaxed);
+    if (watch(slot, generation)) {
+      slot.watch.store(generation << 2 | Slot::kWatched, std::memory_order_relaxed);  // published below
+    }
+  }
   slot.state.store(rc == 0 ? Slot::kRecorded : Slot::kFailed, std::memory_order_release);
   slot.state.notify_all();  // a caller in record_now() or abandon() may wait for this one
   if (on_worker) {
@@ -151,6 +167,65 @@ void RecordThread::drain() noexcept {
   }
 }
 
+bool RecordThread::watch(Slot& slot, std::uint64_t generation) noexcept {
+  try {
+    auto it = std::find_if(watched_.begin(), watched_.end(),
+                           [&](const StreamWatch& w) { return w.stream == slot.stream; });
+    if (it == watched_.end()) {
+      watched_.push_back(StreamWatch{slot.stream, {}});
+      it = std::prev(watched_.end());
+    }
+    it->fifo.push_back(Watched{&slot, generation});
+  } catch (...) {  // bad_alloc: not watched, its caller asks the device
+    return false;
+  }
+  ++watched_count_;
+  return true;
+}
+
+void RecordThread::poll_watched() noexcept {
+  polling_.store(true, std::memory_order_seq_cst);
+  if (g_poll_pauses.load(std::memory_order_seq_cst) != 0) {
+    polling_.store(false, std::memory_order_release);
+    return;
+  }
+  const auto started = std::chrono::steady_clock::now();
+  std::uint64_t queries = 0;
+  for (StreamWatch& w : watched_) {
+    while (!w.fifo.empty()) {
+      const Watched entry = w.fifo.front();
+      Slot& slot = *entry.slot;
+      // A slot taken back (and maybe posted again) since: its answer is not wanted any more.
+      if (slot.generation.load(std::memory_order_acquire) != entry.generation ||
+          slot.state.load(std::memory_order_acquire) != Slot::kRecorded) {
+        w.fifo.pop_front();
+        --watched_count_;
+        continue;
+      }
+      int rc = -1;
+      try {
+        rc = query_(slot.event);
+      } catch (...) {  // NOLINT(bugprone-empty-catch): rc stays -1, the slot is not watched any more
+      }
+      ++queries;
+      if (rc == 0) {
+        break;  // every later event of this stream is not complete either
+      }
+      // Complete; or failed: the caller asks itself and sees the error.
+      slot.watch.store(entry.generation << 2 | (rc == 1 ? Slot::kDone : Slot::kUnwatched), std::memory_order_release);
+      w.fifo.pop_front();
+      --watched_count_;
+    }
+  }
+  polling_.store(false, std::memory_order_release);
+  if (queries != 0) {
+    const auto took = std::chrono::steady_clock::now() - started;
+    worker_query_ns_.fetch_add(static_cast<std::uint64_t>(std::chrono::nanoseconds(took).count()),
+                               std::memory_order_relaxed);
+    worker_queries_.fetch_add(queries, std::memory_order_relaxed);
+  }
+}
+
 void RecordThread::run() noexcept {
   if (init_) {
     try {
@@ -167,6 +242,13 @@ void RecordThread::run() noexcept {
     }
     if (stop_.load(std::memory_order_acquire)) {
       return;
+    }
+    if (watched_count_ != 0) {
+      poll_watched();
+    }
+    if (watched_count_ != 0) {  // watching: look at both every `poll`, never sleep
+      std::this_thread::sleep_for(timing_.poll);
+      continue;
     }
     // Dry: look again every `poll` for `linger` before sleeping on the futex.
     const auto until = std::chrono::steady_clock::now() + timing_.linger;
@@ -195,6 +277,20 @@ void drain_record_threads() noexcept {
   for (RecordThread* t : registry()) {
     t->drain();
   }
+}
+
+void pause_record_thread_polls() noexcept {
+  g_poll_pauses.fetch_add(1, std::memory_order_seq_cst);
+  std::lock_guard lock(registry_mutex());
+  for (RecordThread* t : registry()) {
+    while (t->polling_.load(std::memory_order_seq_cst)) {  // inside a pass that began before the pause
+      std::this_thread::yield();
+    }
+  }
+}
+
+void resume_record_thread_polls() noexcept {
+  g_poll_pauses.fetch_sub(1, std::memory_order_seq_cst);
 }
 
 }  // namespace cachealloc

@@ -401,8 +401,10 @@ void TorchAllocator::beginAllocateToPool(c10::DeviceIndex device, c10::MempoolId
   routes_.push_back(Route{device, mempool_id, std::move(filter)});
   captures_underway_.fetch_add(1, std::memory_order_acq_rel);
   // The capture guard posts no record from now on; those already posted are recorded before
-  // PyTorch begins the capture (Note [Event records on a thread of their own]).
+  // PyTorch begins the capture (Note [Event records on a thread of their own]), and no record
+  // thread queries an event until it ended (Note [The record thread watches its events]).
   drain_record_threads();
+  pause_record_thread_polls();
 }
 
 void TorchAllocator::endAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t mempool_id) {
@@ -412,6 +414,7 @@ void TorchAllocator::endAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t
   TORCH_CHECK(it != routes_.end(), "endAllocateToPool: not currently recording to mempool_id ", pool_text(mempool_id));
   routes_.erase(it);
   captures_underway_.fetch_sub(1, std::memory_order_acq_rel);
+  resume_record_thread_polls();  // one per beginAllocateToPool's pause
   collect_idle_pools();
 }
 

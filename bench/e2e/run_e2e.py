@@ -192,8 +192,9 @@ COUNTER_KEYS = ("allocator_ns", "alloc_calls", "free_calls", "num_device_alloc",
                 "reserve_ns", "release_ns", "create_ns", "release_physical_ns", "map_ns", "unmap_ns",
                 # the VMM backend's unmap thread (Note [Unmapping off the allocating thread])
                 "background_unmaps", "background_unmap_ns", "background_unmap_wait_ns",
-                # the CUDA event pool's record thread (CACHEALLOC_EVENT_THREAD=1, record_thread.h)
-                "background_event_records", "background_event_ns",
+                # the CUDA event pool's record thread (CACHEALLOC_EVENT_THREAD=1 or poll, record_thread.h)
+                "background_event_records", "background_event_ns", "background_event_queries",
+                "background_event_query_ns",
                 "num_alloc_retries", "num_ooms",
                 # wait_parked_to_grow (allocator.h)
                 "parked_waits", "parked_wait_ns",
@@ -1299,6 +1300,11 @@ def device_call_line(cfg: str, d: dict[str, float]) -> str | None:
         line += (f". On the event pool's record thread, outside the allocator's time: cudaEventRecord "
                  f"{d.get('background_event_ns', 0.0) / 1e3:,.1f} µs/step ({bg_events:,.2f} records/step, "
                  f"{d.get('background_event_ns', 0.0) / bg_events / 1e3:,.1f} µs each)")
+        bg_queries = d.get("background_event_queries", 0.0)
+        if bg_queries > 0:  # Note [The record thread watches its events]
+            line += (f", cudaEventQuery of the events it watches "
+                     f"{d.get('background_event_query_ns', 0.0) / 1e3:,.1f} µs/step ({bg_queries:,.2f} "
+                     f"queries/step, {d.get('background_event_query_ns', 0.0) / bg_queries / 1e3:,.2f} µs each)")
     return line
 
 

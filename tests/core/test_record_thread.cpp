@@ -318,3 +318,289 @@ TEST_CASE("record thread: slots reused while the queue still names them are reco
   CHECK(record_nows > 1000);
   CHECK(t.worker_records() + t.caller_records() == log.size());
 }
+
+// Note [The record thread watches its events].
+namespace {
+
+/// A fake device for the watching worker: each record of an event takes the next sequence
+/// number of its stream, and the test says how many of a stream's records have completed (in
+/// order, as a CUDA stream's). Counts the queries of each event; `fail` makes one event's
+/// queries fail.
+struct FakeDevice {
+  std::mutex m;
+  std::map<StreamId, std::uint64_t> recorded;          // records per stream so far
+  std::map<StreamId, std::uint64_t> done;              // records per stream completed
+  std::map<std::uintptr_t, std::pair<StreamId, std::uint64_t>> latest;  // event -> its latest record
+  std::map<std::uintptr_t, std::size_t> queries;
+  std::uintptr_t fail = 0;
+  std::uintptr_t block = 0;  // its queries stop after answering until `gate` opens
+  Gate gate;
+
+  int record(std::uintptr_t ev, StreamId s) {
+    std::lock_guard lock(m);
+    latest[ev] = {s, ++recorded[s]};
+    return 0;
+  }
+  int query(std::uintptr_t ev) {
+    int answer = 0;
+    {
+      std::lock_guard lock(m);
+      ++queries[ev];
+      if (ev == fail) {
+        return -1;
+      }
+      answer = complete_locked(ev) ? 1 : 0;
+    }
+    if (ev == block) {  // answered, not yet returned: the caller may move the slot on meanwhile
+      gate.wait();
+    }
+    return answer;
+  }
+  bool complete(std::uintptr_t ev) {
+    std::lock_guard lock(m);
+    return complete_locked(ev);
+  }
+  void finish(StreamId s, std::uint64_t n) {
+    std::lock_guard lock(m);
+    done[s] = std::max(done[s], n);
+  }
+  std::size_t queries_of(std::uintptr_t ev) {
+    std::lock_guard lock(m);
+    return queries.count(ev) != 0 ? queries[ev] : 0;
+  }
+
+ private:
+  bool complete_locked(std::uintptr_t ev) {
+    const auto [s, seq] = latest.at(ev);
+    return seq <= done[s];
+  }
+};
+
+RecordThreadTiming fast_polls() {
+  RecordThreadTiming timing;
+  timing.poll = std::chrono::microseconds(20);
+  timing.linger = std::chrono::microseconds(2000);
+  return timing;
+}
+
+RecordThread watching(FakeDevice& dev, RecordThreadTiming timing = fast_polls()) {
+  return RecordThread([&dev](std::uintptr_t ev, StreamId s) { return dev.record(ev, s); }, {}, timing,
+                      [&dev](std::uintptr_t ev) { return dev.query(ev); });
+}
+
+/// Waits (up to 10 s) until `pred` holds.
+template <class Pred>
+bool eventually(Pred pred) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!pred()) {
+    if (std::chrono::steady_clock::now() > until) {
+      return false;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("record thread: watched events read 'not yet' until the worker saw them complete, one query per busy stream",
+          "[core][record_thread]") {
+  FakeDevice dev;
+  RecordThread t = watching(dev);
+  CHECK(t.watches());
+  auto slots = make_slots(20);  // 0-9 on stream 1, 10-19 on stream 2
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    t.submit(*slots[i], i < 10 ? 1 : 2);
+  }
+  t.drain();
+  REQUIRE(eventually([&] { return dev.queries_of(slots[0]->event) >= 3 && dev.queries_of(slots[10]->event) >= 3; }));
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    CAPTURE(i);
+    CHECK(slots[i]->state.load() == Slot::kRecorded);
+    CHECK(slots[i]->completion() == Slot::kWatched);
+    if (i != 0 && i != 10) {
+      CHECK(dev.queries_of(slots[i]->event) == 0);  // behind an incomplete event of its stream
+    }
+  }
+  dev.finish(1, 5);  // stream 1's first five records completed
+  REQUIRE(eventually([&] { return slots[4]->completion() == Slot::kDone; }));
+  REQUIRE(eventually([&] { return dev.queries_of(slots[5]->event) >= 2; }));
+  for (std::size_t i = 0; i < 5; ++i) {
+    CHECK(slots[i]->completion() == Slot::kDone);
+  }
+  for (std::size_t i = 5; i < slots.size(); ++i) {
+    CAPTURE(i);
+    CHECK(slots[i]->completion() == Slot::kWatched);
+    if (i != 5 && i != 10) {
+      CHECK(dev.queries_of(slots[i]->event) == 0);
+    }
+  }
+  for (std::size_t i = 0; i < 5; ++i) {
+    CHECK(dev.queries_of(slots[i]->event) >= 1);  // each asked until seen complete, then no more
+  }
+  const std::size_t asked = dev.queries_of(slots[0]->event);
+  std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  CHECK(dev.queries_of(slots[0]->event) == asked);
+  dev.finish(1, 10);
+  dev.finish(2, 10);
+  REQUIRE(eventually([&] {
+    for (const auto& s : slots) {
+      if (s->completion() != Slot::kDone) {
+        return false;
+      }
+    }
+    return true;
+  }));
+  CHECK(t.worker_queries() >= 20);
+  CHECK(t.caller_records() == 0);
+}
+
+TEST_CASE("record thread: without a query function nothing is watched", "[core][record_thread]") {
+  Log log;
+  RecordThread t(logging(log));
+  CHECK_FALSE(t.watches());
+  auto slots = make_slots(3);
+  for (auto& s : slots) {
+    t.submit(*s, 1);
+  }
+  t.drain();
+  for (auto& s : slots) {
+    CHECK(s->completion() == Slot::kUnwatched);
+  }
+  CHECK(t.worker_queries() == 0);
+}
+
+TEST_CASE("record thread: a slot the caller recorded, or whose query failed, is not watched", "[core][record_thread]") {
+  FakeDevice dev;
+  auto slots = make_slots(3);
+  dev.fail = slots[1]->event;
+  RecordThread t = watching(dev);
+  t.submit(*slots[0], 1);
+  t.submit(*slots[1], 2);
+  t.drain();
+  REQUIRE(eventually([&] { return dev.queries_of(slots[1]->event) >= 1; }));
+  REQUIRE(eventually([&] { return slots[1]->completion() == Slot::kUnwatched; }));  // the caller asks
+  std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  CHECK(dev.queries_of(slots[1]->event) == 1);  // asked once, then given up
+  CHECK(slots[0]->completion() == Slot::kWatched);
+  // A post the caller recorded itself (record_now before the worker took it) is its own to ask about.
+  slots[2]->generation.fetch_add(1);
+  slots[2]->stream = 3;
+  slots[2]->state.store(Slot::kQueued);
+  t.record_now(*slots[2]);
+  CHECK(slots[2]->state.load() == Slot::kRecorded);
+  CHECK(slots[2]->completion() == Slot::kUnwatched);
+  CHECK(t.caller_records() == 1);
+}
+
+TEST_CASE("record thread: paused polls ask nothing until resumed", "[core][record_thread]") {
+  FakeDevice dev;
+  RecordThread t = watching(dev);
+  auto slots = make_slots(4);
+  for (auto& s : slots) {
+    t.submit(*s, 1);
+  }
+  t.drain();
+  REQUIRE(eventually([&] { return dev.queries_of(slots[0]->event) >= 1; }));
+  cachealloc::pause_record_thread_polls();
+  cachealloc::pause_record_thread_polls();  // nested (two captures)
+  const std::uint64_t before = t.worker_queries();
+  const std::size_t asked = dev.queries_of(slots[0]->event);
+  dev.finish(1, 4);
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  CHECK(dev.queries_of(slots[0]->event) == asked);
+  CHECK(t.worker_queries() == before);
+  CHECK(slots[0]->completion() == Slot::kWatched);
+  // A thread started while paused does not ask either.
+  FakeDevice dev2;
+  RecordThread t2 = watching(dev2);
+  auto more = make_slots(2);
+  t2.submit(*more[0], 7);
+  dev2.finish(7, 1);
+  t2.drain();
+  cachealloc::resume_record_thread_polls();
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  CHECK(dev.queries_of(slots[0]->event) == asked);  // one pause still in force
+  CHECK(dev2.queries_of(more[0]->event) == 0);
+  cachealloc::resume_record_thread_polls();
+  REQUIRE(eventually([&] { return slots[3]->completion() == Slot::kDone; }));
+  REQUIRE(eventually([&] { return more[0]->completion() == Slot::kDone; }));
+}
+
+TEST_CASE("record thread: an answer the worker got before the slot was posted again does not stand for the new post",
+          "[core][record_thread]") {
+  FakeDevice dev;
+  auto slots = make_slots(1);
+  Slot& slot = *slots[0];
+  dev.block = slot.event;
+  RecordThread t = watching(dev);
+  dev.finish(1, 1);  // stream 1's first record is complete as soon as it is made
+  t.submit(slot, 1);
+  dev.gate.wait_entered();  // the worker's first query answered yes and stops there
+  RecordThread::abandon(slot);  // the caller gives the event back and posts the slot again
+  t.submit(slot, 2);
+  t.record_now(slot);  // the worker is busy: the caller records the new post on stream 2
+  REQUIRE(slot.state.load() == Slot::kRecorded);
+  CHECK_FALSE(dev.complete(slot.event));  // nothing of stream 2 completed
+  dev.block = 0;
+  dev.gate.open();
+  std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  CHECK(slot.completion() != Slot::kDone);  // the old post's answer is not the new one's
+  CHECK(slot.completion() == Slot::kUnwatched);  // the caller recorded it: the caller asks
+}
+
+TEST_CASE("record thread: a watched answer is always about the slot's current post", "[core][record_thread]") {
+  // Slots cycled through submit / abandon / record_now at random while the fake device completes
+  // records at random: whenever a slot reads kDone, its event's latest record has completed.
+  constexpr std::size_t kSlots = 8;
+  FakeDevice dev;
+  RecordThreadTiming timing;
+  timing.poll = std::chrono::microseconds(5);
+  timing.linger = std::chrono::microseconds(500);
+  RecordThread t = watching(dev, timing);
+  auto slots = make_slots(kSlots);
+  std::mt19937 rng(777);
+  std::vector<bool> in_use(kSlots, false);
+  std::map<StreamId, std::uint64_t> finished;
+  std::size_t done_seen = 0;
+  std::size_t wrong = 0;
+  for (int op = 0; op < 30000; ++op) {
+    const std::size_t i = rng() % kSlots;
+    Slot& slot = *slots[i];
+    const StreamId stream = 1 + rng() % 3;
+    switch (rng() % 6) {
+      case 0:
+      case 1:
+        if (in_use[i]) {
+          RecordThread::abandon(slot);
+        }
+        t.submit(slot, stream);
+        in_use[i] = true;
+        break;
+      case 2:
+        if (in_use[i]) {
+          t.record_now(slot);
+        }
+        break;
+      case 3: {
+        finished[stream] += rng() % 3;
+        dev.finish(stream, finished[stream]);
+        break;
+      }
+      default:
+        if (in_use[i] && slot.state.load(std::memory_order_acquire) == Slot::kRecorded &&
+            slot.completion() == Slot::kDone) {
+          ++done_seen;
+          wrong += static_cast<std::size_t>(!dev.complete(slot.event));
+        }
+        if (op % 64 == 0) {
+          std::this_thread::sleep_for(std::chrono::microseconds(20));  // let the worker look
+        }
+        break;
+    }
+  }
+  t.drain();
+  CHECK(wrong == 0);
+  CHECK(done_seen > 100);
+  CHECK(t.worker_queries() > 100);
+}

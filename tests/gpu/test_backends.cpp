@@ -9,6 +9,7 @@
 #include <cachealloc/cuda/vmm_backend.h>
 #include <cachealloc/errors.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -221,10 +222,13 @@ TEST_CASE("cuda_runtime: cudaMalloc, out of memory, pooled events", "[gpu][runti
     CHECK(events_only.event_pool().idle() == 40);
   }
 
-  SECTION("record thread (CACHEALLOC_EVENT_THREAD=1): posted records fence the work before them") {
-    // Note [Event records on a thread of their own] (record_thread.h).
+  SECTION("record thread (CACHEALLOC_EVENT_THREAD=1 or poll): posted records fence the work before them") {
+    // Note [Event records on a thread of their own], Note [The record thread watches its events]
+    // (record_thread.h).
     const ScopedFencesEnv no_fences(nullptr);
-    const ScopedEnv thread_on("CACHEALLOC_EVENT_THREAD", "1");
+    const bool watches = GENERATE(false, true);
+    CAPTURE(watches);
+    const ScopedEnv thread_on("CACHEALLOC_EVENT_THREAD", watches ? "poll" : "1");
     CudaRuntimeBackend threaded(test_device());
     TestStream other;
     GPU_REQUIRE_OK(launch_spin(cycles_for_ms(30), s.get()));
@@ -263,6 +267,31 @@ TEST_CASE("cuda_runtime: cudaMalloc, out of memory, pooled events", "[gpu][runti
     CHECK(threaded.background_work().event_records == pool.thread_records());
     CHECK(threaded.counters().events_recorded == 41);
     CHECK(pool.created() == 0);  // no event of the plain pool: every record was posted
+    if (watches) {
+      // Behind a spin: "not yet" (from the worker's word, no query of this thread's) until the
+      // spin ended, then "done" within a few of the worker's looks, with no wait of ours.
+      GPU_REQUIRE_OK(launch_spin(cycles_for_ms(20), s.get()));
+      const EventId behind = threaded.record_event(s.id());
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      const std::uint64_t queries_before = threaded.background_work().event_queries;
+      CHECK_FALSE(threaded.query_event(behind));
+      GPU_REQUIRE_OK(cudaStreamSynchronize(s.get()));
+      bool seen = false;
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+      while (!seen && std::chrono::steady_clock::now() < until) {
+        seen = threaded.query_event(behind);
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+      CHECK(seen);
+      CHECK(threaded.background_work().event_queries > queries_before);
+      threaded.destroy_event(behind);
+      std::printf("cuda_runtime: the record thread asked %llu queries of the events it watches (%.2f us each)\n",
+                  static_cast<unsigned long long>(threaded.background_work().event_queries),
+                  static_cast<double>(threaded.background_work().event_query_ns) / 1e3 /
+                      static_cast<double>(std::max<std::uint64_t>(1, threaded.background_work().event_queries)));
+    } else {
+      CHECK(threaded.background_work().event_queries == 0);
+    }
   }
   CHECK(current_device() == before);
 }

@@ -15,13 +15,16 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
 
 namespace cachealloc {
 
 CudaEventPool::CudaEventPool(int device) noexcept : device_(device) {
-  // Opt-in while it is measured (Note [Event records on a thread of their own]).
+  // Opt-in while it is measured (Note [Event records on a thread of their own], Note [The record
+  // thread watches its events]).
   const char* v = std::getenv("CACHEALLOC_EVENT_THREAD");
-  thread_wanted_ = v != nullptr && std::string_view(v) == "1";
+  thread_watches_ = v != nullptr && std::string_view(v) == "poll";
+  thread_wanted_ = thread_watches_ || (v != nullptr && std::string_view(v) == "1");
 }
 
 CudaEventPool::~CudaEventPool() {
@@ -196,6 +199,17 @@ RecordThread::Slot& CudaEventPool::take_slot() {
   }
   if (!thread_) {
     const int device = device_;
+    RecordThread::QueryFn query;
+    if (thread_watches_) {  // the worker's thread has the device current (backend_thread_init)
+      query = [](std::uintptr_t event) -> int {
+        const cudaError_t status = cudaEventQuery(to_event(event));
+        if (status == cudaSuccess) {
+          return 1;
+        }
+        (void)cudaGetLastError();  // not ready, or a failure the caller sees when it asks itself
+        return status == cudaErrorNotReady ? 0 : -1;
+      };
+    }
     thread_ = std::make_unique<RecordThread>(
         [device](std::uintptr_t event, StreamId stream) -> int {
           CudaDeviceGuard guard(device);  // the legacy default stream (0) is per device
@@ -205,7 +219,7 @@ RecordThread::Slot& CudaEventPool::take_slot() {
           }
           return static_cast<int>(status);
         },
-        cuda_detail::backend_thread_init(device));
+        cuda_detail::backend_thread_init(device), RecordThread::Timing{}, std::move(query));
   }
   // Grow both lists first, so that give_back() (noexcept) always finds room in idle_slots_.
   if (slots_.size() == slots_.capacity()) {
@@ -305,6 +319,14 @@ bool CudaEventPool::query(EventId event) {
       check_recorded(slot);
       return false;  // queued, or being recorded: nothing fences the work before the free yet
     }
+    switch (slot.completion()) {  // Note [The record thread watches its events]
+      case RecordThread::Slot::kDone:
+        return true;
+      case RecordThread::Slot::kWatched:
+        return false;  // not complete at the worker's last look
+      case RecordThread::Slot::kUnwatched:
+        break;
+    }
     event = to_id(to_event(slot.event));
   }
   const cudaError_t status = cudaEventQuery(to_event(event));
@@ -325,7 +347,10 @@ void CudaEventPool::synchronize(EventId event) {
     return;
   }
   if (is_posted(event)) {
-    event = to_id(record_posted_now(event));
+    RecordThread::Slot& slot = slot_of(event);
+    CACHEALLOC_CUDA_CHECK(cudaEventSynchronize(record_posted_now(event)));
+    slot.mark_done();  // a later query must say so without waiting for the worker's next look
+    return;
   }
   CACHEALLOC_CUDA_CHECK(cudaEventSynchronize(to_event(event)));
 }

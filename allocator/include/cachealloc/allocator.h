@@ -601,6 +601,8 @@ class CachingAllocator final : public DeviceAllocator {
     s.background_unmap_wait_ns = bg.blocked_ns;
     s.background_event_records = bg.event_records;
     s.background_event_ns = bg.event_ns;
+    s.background_event_queries = bg.event_queries;
+    s.background_event_query_ns = bg.event_query_ns;
     if constexpr (requires(const P& p) { p.stat_counters(); }) {
       s.policy_counters = policy_.stat_counters();
     }

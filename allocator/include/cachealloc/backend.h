@@ -73,6 +73,10 @@ struct BackgroundWork {
   /// own], record_thread.h) and its time in them (not part of any allocator call).
   std::uint64_t event_records = 0;
   std::uint64_t event_ns = 0;
+  /// Its queries of the events it watches (Note [The record thread watches its events]) and its
+  /// time in them.
+  std::uint64_t event_queries = 0;
+  std::uint64_t event_query_ns = 0;
 };
 
 /// One handle of a run mapped by VirtualMemory::map_run.

@@ -78,6 +78,10 @@ struct Stats {
   /// their own], record_thread.h). num_event_records counts them too, event_ns does not.
   std::uint64_t background_event_records = 0;
   std::uint64_t background_event_ns = 0;
+  /// The record thread's queries of the events it watches, and its time in them (Note [The record
+  /// thread watches its events]). num_event_queries counts only the allocating thread's.
+  std::uint64_t background_event_queries = 0;
+  std::uint64_t background_event_query_ns = 0;
   std::uint64_t usage_errors = 0;       ///< rejected double frees / foreign pointers
   /// wait_parked_to_grow (Note [Waiting for frees in flight instead of growing], allocator.h):
   /// growths the policy held back, and the time spent waiting for parked frees instead.

@@ -84,7 +84,8 @@ class DeviceBackend;
 class CudaEventPool {
  public:
   /// Hands record() calls to a thread of their own when CACHEALLOC_EVENT_THREAD=1 is set at
-  /// construction (host fences, when on, take precedence).
+  /// construction, and has that thread watch the events too with CACHEALLOC_EVENT_THREAD=poll
+  /// (host fences, when on, take precedence).
   explicit CudaEventPool(int device) noexcept;
   ~CudaEventPool();
   CudaEventPool(const CudaEventPool&) = delete;
@@ -120,6 +121,8 @@ class CudaEventPool {
     BackgroundWork work;
     work.event_records = thread_records();
     work.event_ns = thread_ns();
+    work.event_queries = thread_ ? thread_->worker_queries() : 0;
+    work.event_query_ns = thread_ ? thread_->worker_query_ns() : 0;
     return work;
   }
   [[nodiscard]] std::uint64_t thread_caller_records() const noexcept {
@@ -168,6 +171,7 @@ class CudaEventPool {
 
   int device_;
   bool thread_wanted_ = false;
+  bool thread_watches_ = false;  // CACHEALLOC_EVENT_THREAD=poll
   std::vector<std::unique_ptr<RecordThread::Slot>> slots_;  // every slot (each owns its event)
   std::vector<RecordThread::Slot*> idle_slots_;
   std::unique_ptr<RecordThread> thread_;  // started by the first record() that wants it
