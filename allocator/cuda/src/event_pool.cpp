@@ -308,29 +308,39 @@ bool CudaEventPool::stream_wait(StreamId stream, EventId event) {
   return true;
 }
 
-bool CudaEventPool::query(EventId event) {
+bool CudaEventPool::query(EventId event, bool now) {
   if (is_fence(event)) {
     return fence_reached(event);
   }
+  RecordThread::Slot* posted = nullptr;
   if (is_posted(event)) {
-    const RecordThread::Slot& slot = slot_of(event);
-    const std::uint32_t state = slot.state.load(std::memory_order_acquire);
+    posted = &slot_of(event);
+    const std::uint32_t state = posted->state.load(std::memory_order_acquire);
     if (state != RecordThread::Slot::kRecorded) {
-      check_recorded(slot);
-      return false;  // queued, or being recorded: nothing fences the work before the free yet
+      if (!now) {
+        check_recorded(*posted);
+        return false;  // queued, or being recorded: nothing fences the work before the free yet
+      }
+      record_posted_now(event);  // Note [A fresh look before a growth]: a record costs less
     }
-    switch (slot.completion()) {  // Note [The record thread watches its events]
+    switch (posted->completion()) {  // Note [The record thread watches its events]
       case RecordThread::Slot::kDone:
         return true;
       case RecordThread::Slot::kWatched:
-        return false;  // not complete at the worker's last look
+        if (!now) {
+          return false;  // not complete at the worker's last look
+        }
+        break;
       case RecordThread::Slot::kUnwatched:
         break;
     }
-    event = to_id(to_event(slot.event));
+    event = to_id(to_event(posted->event));
   }
   const cudaError_t status = cudaEventQuery(to_event(event));
   if (status == cudaSuccess) {
+    if (posted != nullptr) {
+      posted->mark_done();  // later queries need not ask again
+    }
     return true;
   }
   if (status == cudaErrorNotReady) {
@@ -375,10 +385,10 @@ EventId record_counted(CudaEventPool& pool, DeviceBackend& backend, StreamId str
   return pool.record(stream);
 }
 
-bool query_counted(CudaEventPool& pool, DeviceBackend& backend, EventId event) {
+bool query_counted(CudaEventPool& pool, DeviceBackend& backend, EventId event, bool now) {
   const detail::TimedCall timed(backend, backend.mutable_counters().event_ns);
   ++backend.mutable_counters().event_queries;
-  return pool.query(event);
+  return pool.query(event, now);
 }
 
 }  // namespace cachealloc
