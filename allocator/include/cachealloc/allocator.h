@@ -169,9 +169,10 @@
 // thread answers from what it saw at its last look, Note [The record thread watches its events],
 // record_thread.h), a parked free may come back to the policy one look later than the device
 // allows, and a policy that misses meanwhile grows for it. On an H100 (bench/results/
-// defrag_session50_2026-12-07.md) offload_train's peak under the watching thread was above
-// defrag's own in 6 of 8 runs (median 14,442 against 13,786 MiB), with more pages created beyond
-// the slack. A growth costs tens of microseconds and keeps its memory, a query under one: so
+// defrag_session50_2026-12-07.md) offload_train's peak under the watching thread was higher than
+// without it (8 runs each over 100 steps: median 14,442 against 13,786 MiB), with more pages
+// created beyond the slack. A growth costs tens of microseconds and keeps its memory, a query
+// under one: so
 // while something is parked, allocate() first asks a policy that can hold its growth
 // (hold_growth) with the growth held, and only when that fails polls the parked frees with
 // query_event_now (the device's answer now; a queued record is made first) and asks again as
