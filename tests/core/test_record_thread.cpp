@@ -406,9 +406,9 @@ bool eventually(Pred pred) {
 TEST_CASE("record thread: watched events read 'not yet' until the worker saw them complete, one query per busy stream",
           "[core][record_thread]") {
   FakeDevice dev;
+  auto slots = make_slots(20);  // 0-9 on stream 1, 10-19 on stream 2; they outlive the thread
   RecordThread t = watching(dev);
   CHECK(t.watches());
-  auto slots = make_slots(20);  // 0-9 on stream 1, 10-19 on stream 2
   for (std::size_t i = 0; i < slots.size(); ++i) {
     t.submit(*slots[i], i < 10 ? 1 : 2);
   }
@@ -495,8 +495,8 @@ TEST_CASE("record thread: a slot the caller recorded, or whose query failed, is 
 
 TEST_CASE("record thread: paused polls ask nothing until resumed", "[core][record_thread]") {
   FakeDevice dev;
-  RecordThread t = watching(dev);
   auto slots = make_slots(4);
+  RecordThread t = watching(dev);
   for (auto& s : slots) {
     t.submit(*s, 1);
   }
@@ -513,8 +513,8 @@ TEST_CASE("record thread: paused polls ask nothing until resumed", "[core][recor
   CHECK(slots[0]->completion() == Slot::kWatched);
   // A thread started while paused does not ask either.
   FakeDevice dev2;
-  RecordThread t2 = watching(dev2);
   auto more = make_slots(2);
+  RecordThread t2 = watching(dev2);
   t2.submit(*more[0], 7);
   dev2.finish(7, 1);
   t2.drain();
@@ -557,8 +557,8 @@ TEST_CASE("record thread: a watched answer is always about the slot's current po
   RecordThreadTiming timing;
   timing.poll = std::chrono::microseconds(5);
   timing.linger = std::chrono::microseconds(500);
-  RecordThread t = watching(dev, timing);
   auto slots = make_slots(kSlots);
+  RecordThread t = watching(dev, timing);
   std::mt19937 rng(777);
   std::vector<bool> in_use(kSlots, false);
   std::map<StreamId, std::uint64_t> finished;

@@ -124,7 +124,8 @@ class RecordThread {
   RecordThread(const RecordThread&) = delete;
   RecordThread& operator=(const RecordThread&) = delete;
 
-  /// Queues `slot` (state kQueued, stream set) for the worker. One producer at a time. Returns
+  /// Queues `slot` (state kQueued, stream set) for the worker. One producer at a time; a slot
+  /// ever posted must outlive the RecordThread (a watching worker looks at it until it stops). Returns
   /// false when the queue is full or no worker could be started: the caller then claims the slot
   /// (record_now) itself.
   [[nodiscard]] bool post(Slot& slot) noexcept;
