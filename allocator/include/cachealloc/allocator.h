@@ -178,7 +178,8 @@
 // query_event_now (the device's answer now; a queued record is made first) and asks again as
 // usual. Defrag's own fences get the same at a miss (DefragEngine::poll). In steady state the
 // held attempt is the allocation itself; only a would-be growth pays the second attempt and a
-// query per busy stream (`fresh_looks` counts them).
+// query per busy stream (`fresh_looks` counts them; defrag counts the held attempts in its
+// held_growths, and its placement counters see both attempts).
 //
 // Note [Cheap statistics on the fast path]
 // A cached alloc+free pair is a few dozen instructions of real work, and keeping five PyTorch
