@@ -218,6 +218,9 @@ void RecordThread::poll_watched() noexcept {
     }
   }
   polling_.store(false, std::memory_order_release);
+  if (watched_count_ == 0 && watched_.size() > 32) {
+    watched_.clear();  // streams come and go (external streams): keep the list to the live ones
+  }
   if (queries != 0) {
     const auto took = std::chrono::steady_clock::now() - started;
     worker_query_ns_.fetch_add(static_cast<std::uint64_t>(std::chrono::nanoseconds(took).count()),
