@@ -604,3 +604,34 @@ TEST_CASE("record thread: a watched answer is always about the slot's current po
   CHECK(done_seen > 100);
   CHECK(t.worker_queries() > 100);
 }
+
+TEST_CASE("record thread: events on many streams, watched in rounds", "[core][record_thread]") {
+  // More streams than the watch list keeps once none is watched: every round's answers still come.
+  FakeDevice dev;
+  auto slots = make_slots(40);
+  RecordThread t = watching(dev);
+  for (StreamId round = 0; round < 3; ++round) {
+    for (std::size_t i = 0; i < slots.size(); ++i) {
+      if (round != 0) {
+        RecordThread::abandon(*slots[i]);
+      }
+      t.submit(*slots[i], 100 * (round + 1) + i);  // a stream of its own each, new every round
+    }
+    t.drain();
+    REQUIRE(eventually([&] { return dev.queries_of(slots.back()->event) >= 1; }));
+    for (const auto& s : slots) {
+      CHECK(s->completion() == Slot::kWatched);
+    }
+    for (std::size_t i = 0; i < slots.size(); ++i) {
+      dev.finish(100 * (round + 1) + i, 1);
+    }
+    REQUIRE(eventually([&] {
+      for (const auto& s : slots) {
+        if (s->completion() != Slot::kDone) {
+          return false;
+        }
+      }
+      return true;
+    }));
+  }
+}
