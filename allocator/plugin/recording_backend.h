@@ -43,8 +43,6 @@ class RecordingBackend final : public DeviceBackend, private VirtualMemory {
 
   [[nodiscard]] EventId record_event(StreamId stream) override { return inner_->record_event(stream); }
   [[nodiscard]] bool query_event(EventId event) override { return inner_->query_event(event); }
-  [[nodiscard]] bool query_event_now(EventId event) override { return inner_->query_event_now(event); }
-  [[nodiscard]] bool queries_lag() const noexcept override { return inner_->queries_lag(); }
   void synchronize_event(EventId event) override { inner_->synchronize_event(event); }
   [[nodiscard]] bool stream_wait_event(StreamId stream, EventId event) override {
     return inner_->stream_wait_event(stream, event);

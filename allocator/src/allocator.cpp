@@ -101,7 +101,6 @@ std::map<std::string, std::int64_t> Stats::to_map() const {
   m["bytes_unmapped"] = static_cast<std::int64_t>(bytes_unmapped);
   m["usage_errors"] = static_cast<std::int64_t>(usage_errors);
   m["parked_waits"] = static_cast<std::int64_t>(parked_waits);
-  m["fresh_looks"] = static_cast<std::int64_t>(fresh_looks);
   m["parked_wait_ns"] = static_cast<std::int64_t>(parked_wait_ns);
   m["parked_reuses"] = static_cast<std::int64_t>(parked_reuses);
   m["parked_reuse_bytes"] = static_cast<std::int64_t>(parked_reuse_bytes);

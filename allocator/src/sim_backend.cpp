@@ -545,9 +545,12 @@ bool SimBackend::query_event(EventId event) {
     throw DeviceError("simulated device: query of an unknown event " + std::to_string(event));
   }
   prune_waits(it->second.stream);
-  if (options_.query_lag_calls != 0) {  // answers from the watcher's last look
-    if (++calls_since_look_ >= options_.query_lag_calls) {
+  if (options_.query_lag_calls != 0 || options_.query_look_ns != 0) {  // from the watcher's last look
+    const bool by_calls = options_.query_lag_calls != 0 && ++calls_since_look_ >= options_.query_lag_calls;
+    const bool by_time = options_.query_look_ns != 0 && clock_ns_ - last_look_ns_ >= options_.query_look_ns;
+    if (by_calls || by_time) {
       calls_since_look_ = 0;
+      last_look_ns_ = clock_ns_;
       for (auto& [id, ev] : events_) {
         ev.seen = ev.seen || (!ev.destroyed && event_done(id));
       }
@@ -555,22 +558,6 @@ bool SimBackend::query_event(EventId event) {
     return it->second.seen;
   }
   return event_done(event);
-}
-
-bool SimBackend::query_event_now(EventId event) {
-  if (options_.query_lag_calls == 0) {
-    return query_event(event);
-  }
-  maybe_throw(SimCall::query_event);
-  ++mutable_counters().event_queries;
-  ++queries_now_;
-  auto it = events_.find(event);
-  if (it == events_.end() || it->second.destroyed) {
-    throw DeviceError("simulated device: query of an unknown event " + std::to_string(event));
-  }
-  prune_waits(it->second.stream);
-  it->second.seen = it->second.seen || event_done(event);
-  return it->second.seen;
 }
 
 std::size_t SimBackend::pending_events() const {

@@ -64,14 +64,6 @@ bool CaptureGuardBackend::query_event(EventId event) {
   return inner_->query_event((event & kDeferredBit) != 0 ? realize(event) : event);
 }
 
-bool CaptureGuardBackend::query_event_now(EventId event) {
-  if (capturing()) {
-    return false;
-  }
-  settle();
-  return inner_->query_event_now((event & kDeferredBit) != 0 ? realize(event) : event);
-}
-
 bool CaptureGuardBackend::stream_wait_event(StreamId stream, EventId event) {
   if (capturing()) {
     return false;

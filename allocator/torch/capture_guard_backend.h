@@ -64,8 +64,6 @@ class CaptureGuardBackend final : public DeviceBackend, private VirtualMemory {
 
   [[nodiscard]] EventId record_event(StreamId stream) override;
   [[nodiscard]] bool query_event(EventId event) override;
-  [[nodiscard]] bool query_event_now(EventId event) override;
-  [[nodiscard]] bool queries_lag() const noexcept override { return inner_->queries_lag(); }
   void synchronize_event(EventId event) override;
   /// Not while a capture is underway (a wait on work outside the graph): false, the caller
   /// then needs the event complete, which query_event() does not say before the capture ends.

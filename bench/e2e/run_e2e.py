@@ -198,8 +198,6 @@ COUNTER_KEYS = ("allocator_ns", "alloc_calls", "free_calls", "num_device_alloc",
                 "num_alloc_retries", "num_ooms",
                 # wait_parked_to_grow (allocator.h)
                 "parked_waits", "parked_wait_ns",
-                # Note [A fresh look before a growth] (allocator.h)
-                "fresh_looks",
                 # reuse_parked (Note [Reusing a parked free on the stream it waits for], allocator.h)
                 "parked_reuses", "parked_reuse_bytes", "parked_reuse_waits",
                 # policy defrag's own counters (DefragPolicy::stat_counters())
@@ -1446,8 +1444,6 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any], meta: dict[str, 
                 + (f"; {d['parked_reuses']:,.1f} parked frees per step reused on the stream they waited for "
                    f"({d.get('parked_reuse_bytes', 0) / 2**20:,.0f} MiB; {d.get('parked_reuse_waits', 0):,.1f} of them "
                    "made that stream wait for another's event)" if d.get("parked_reuses") else "")
-                + (f"; {d['fresh_looks']:,.2f} fresh looks per step (the parked frees asked afresh before a "
-                   "growth)" if d.get("fresh_looks") else "")
                 for cfg, r in event_rows for d in [r["counters_delta_per_step"]]]
         call_lines = [line for cfg, r in rows.items()
                       if (line := device_call_line(cfg, r.get("counters_delta_per_step", {})))]

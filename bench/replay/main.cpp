@@ -177,6 +177,7 @@ int main(int argc, char** argv) {
   std::uint64_t check_every = 0;
   std::uint32_t phases = 0;
   std::uint64_t gpu_lag_us = 0;
+  std::uint64_t query_lag_us = 0;
   bool stream_lags = false;
   bool late_other = false;
   std::vector<std::string> call_costs;
@@ -228,6 +229,10 @@ int main(int argc, char** argv) {
                  "simulated device: the GPU finishes the work queued on a stream this many "
                  "microseconds (of the trace's own clock) after the host queued it, so events "
                  "complete late and waiting for one costs host time (default 0: at once)");
+  app.add_option("--query-lag-us", query_lag_us,
+                 "simulated device: event queries answer from a watcher's look taken at most this "
+                 "many microseconds (simulated clock) ago, as the CUDA backends' under "
+                 "CACHEALLOC_EVENT_THREAD=poll (default 0: queries answer at once)");
   CLI::Option* lags_flag = app.add_flag("--stream-lags", stream_lags,
                "simulated device: a stream stays busy as long as the trace's late frees "
                "(record_stream) show its work ran behind the host, on top of --gpu-lag-us (Note "
@@ -361,6 +366,7 @@ int main(int argc, char** argv) {
       opts.plot_points = plot_path.empty() ? 0 : 2000;
       opts.phases = phases;
       opts.gpu_lag_us = gpu_lag_us;
+      opts.query_lag_us = query_lag_us;
       opts.stream_lags = stream_lags;
       opts.late_frees_on_other_stream = late_other;
       opts.call_costs = costs;

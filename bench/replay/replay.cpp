@@ -399,6 +399,7 @@ PolicyResult run(const PreparedTrace& trace, const std::string& policy, const st
   sim_options.auto_complete_events = true;  // Note [Simulated events] (sim_backend.h)
   sim_options.model_call_costs = true;      // Note [Simulated time]
   sim_options.event_lag_ns = options.gpu_lag_us * 1000;
+  sim_options.query_look_ns = options.query_lag_us * 1000;
   sim_options.costs = options.call_costs;
   if (options.stream_lags && !trace.stream_lags.empty()) {
     // Note [Each stream's own lag]: busy until the latest completion of the late frees requested

@@ -242,11 +242,10 @@ void DefragEngine::close_epoch() {
   }
 }
 
-bool DefragEngine::poll(bool now) {
+bool DefragEngine::poll() {
   bool advanced = false;
   for (StreamState& st : streams_) {
-    while (!st.fences.empty() &&
-           (now ? backend_.query_event_now(st.fences.front().event) : backend_.query_event(st.fences.front().event))) {
+    while (!st.fences.empty() && backend_.query_event(st.fences.front().event)) {
       backend_.destroy_event(st.fences.front().event);
       st.fences.pop_front();
       update_completed(st);
@@ -528,7 +527,7 @@ Block DefragEngine::allocate(std::size_t bytes, StreamId stream) {
     // A miss: learn which epochs finished and close the open one, so that pages freed until now
     // can be moved (and other streams' holes reused) at the next miss without waiting.
     missed_since_close_ = true;
-    if (poll(/*now=*/true)) {  // Note [A fresh look before a growth] (allocator.h)
+    if (poll()) {
       process_deferred();
     }
     close_epoch();

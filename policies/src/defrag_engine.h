@@ -306,9 +306,7 @@ class alignas(64) DefragEngine {
   void mark_dirty(std::uint32_t cls) noexcept;
 
   void close_epoch();
-  /// Retires the fences that completed; with `now`, asked with query_event_now (at a miss: Note
-  /// [A fresh look before a growth], allocator.h). True when any did.
-  bool poll(bool now = false);
+  bool poll();
   void wait_all();
   /// Waits until stream class `cls` finished every epoch <= `epoch` (closing the open epoch if
   /// it is included).

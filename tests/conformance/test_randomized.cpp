@@ -238,8 +238,8 @@ TEST_CASE("randomized operation sequences keep every invariant: defrag growing a
 }
 
 TEST_CASE("randomized operation sequences keep every invariant: queries that answer late", "[randomized]") {
-  // Note [A fresh look before a growth] (allocator.h): query_event answers from a look taken
-  // every 5th query (as the record thread watching its events); defrag asks afresh before it grows.
+  // Note [The record thread watches its events] (record_thread.h): query_event answers from a
+  // look taken every 5th query, as under CACHEALLOC_EVENT_THREAD=poll; late answers only delay.
   const std::string policy = GENERATE(from_range(cachealloc::test::policy_names()));
   const std::uint64_t total = operations_per_policy();
   for (std::uint64_t seed = 1; seed <= 2; ++seed) {

@@ -898,70 +898,34 @@ TEST_CASE("front end: the time inside each kind of device call, in the stats", "
   }
 }
 
-// Note [A fresh look before a growth] (allocator.h).
-TEST_CASE("front end: where queries answer late, a parked free that completed comes back before the policy grows",
-          "[core][fresh_look]") {
-  SimOptions o;
-  o.auto_complete_events = true;        // every event completes as soon as it is recorded
-  o.query_lag_calls = 1'000'000;        // the watcher never looks: query_event says "not yet"
-  auto backend = std::make_unique<SimBackend>(o);
-  SimBackend* sim = backend.get();
-  REQUIRE(sim->queries_lag());
-  Config config = Config::parse("reuse_parked:False");
-  SECTION("defrag holds its growth, asks the device now, reuses the block") {
-    CachingAllocator<DefragPolicy> a(std::move(backend), config);
-    void* p = a.allocate(64 * kMiB, 1);
-    a.record_stream(p, 2);
-    a.deallocate(p);  // parked behind stream 2; its event is recorded at the next call
-    const std::int64_t reserved = a.stats().reserved_bytes.current;
-    void* q = a.allocate(64 * kMiB, 1);
-    CHECK(a.stats().fresh_looks == 1);
-    CHECK(sim->queries_now() >= 1);
-    CHECK(a.pending_frees() == 0);
-    CHECK(a.stats().reserved_bytes.current == reserved);  // no growth
-    CHECK(q == p);
-    a.check_invariants();
-    // No fresh look while nothing is parked, nor when the held attempt succeeds.
-    void* r = a.allocate(kMiB, 1);
-    CHECK(a.stats().fresh_looks == 1);
-    a.deallocate(r);
-    a.deallocate(q);
-    a.check_invariants();
+TEST_CASE("simulated device: queries that answer from a watcher's last look", "[core][sim]") {
+  // SimOptions::query_lag_calls / query_look_ns (Note [The record thread watches its events]).
+  SECTION("by calls: the watcher looks at every third query") {
+    SimOptions o;
+    o.auto_complete_events = true;  // complete as soon as recorded
+    o.query_lag_calls = 3;
+    SimBackend sim(o);
+    const EventId e = sim.record_event(1);
+    CHECK_FALSE(sim.query_event(e));
+    CHECK_FALSE(sim.query_event(e));
+    CHECK(sim.query_event(e));  // the third query is a look
+    CHECK(sim.query_event(e));  // and it stays seen
+    sim.destroy_event(e);
   }
-  SECTION("a policy that cannot hold its growth grows as before") {
-    CachingAllocator<SizeClassPolicy> a(std::move(backend), config);
-    void* p = a.allocate(64 * kMiB, 1);
-    a.record_stream(p, 2);
-    a.deallocate(p);
-    const std::int64_t reserved = a.stats().reserved_bytes.current;
-    void* q = a.allocate(64 * kMiB, 1);
-    CHECK(a.stats().fresh_looks == 0);
-    CHECK(a.stats().reserved_bytes.current > reserved);
-    CHECK(a.pending_frees() == 1);
-    a.deallocate(q);
-    a.check_invariants();
+  SECTION("by time: a look once the clock moved on by query_look_ns") {
+    SimOptions o;
+    o.auto_complete_events = true;
+    o.query_look_ns = 100'000;
+    SimBackend sim(o);
+    sim.advance_clock_to(1'000'000);
+    const EventId first = sim.record_event(1);
+    CHECK(sim.query_event(first));  // the first look is due at once: 1 ms since the last (at 0)
+    const EventId e = sim.record_event(1);
+    sim.advance_clock_to(1'050'000);
+    CHECK_FALSE(sim.query_event(e));  // 50 us since the last look: the answer is that look's
+    sim.advance_clock_to(1'100'000);
+    CHECK(sim.query_event(e));  // 100 us: a new look
+    sim.destroy_event(first);
+    sim.destroy_event(e);
   }
-}
-
-TEST_CASE("defrag: at a miss its fences are asked with query_event_now", "[core][fresh_look]") {
-  SimOptions o;
-  o.auto_complete_events = true;
-  o.query_lag_calls = 1'000'000;
-  auto backend = std::make_unique<SimBackend>(o);
-  SimBackend* sim = backend.get();
-  Config config;
-  CachingAllocator<DefragPolicy> a(std::move(backend), config);
-  // Two streams' frees close an epoch with a fence on each at the next miss; the miss after asks them.
-  void* x = a.allocate(8 * kMiB, 1);
-  void* y = a.allocate(8 * kMiB, 2);
-  a.deallocate(x);
-  a.deallocate(y);
-  void* big = a.allocate(256 * kMiB, 1);  // a miss: closes the epoch (fences recorded)
-  const std::uint64_t before = sim->queries_now();
-  void* big2 = a.allocate(512 * kMiB, 2);  // another miss: the fences asked now
-  CHECK(sim->queries_now() > before);
-  a.check_invariants();
-  a.deallocate(big);
-  a.deallocate(big2);
-  a.check_invariants();
 }

@@ -389,8 +389,6 @@ def memory_stats(device: DeviceLike = None) -> dict[str, int]:
     event pool's own thread under ``CACHEALLOC_EVENT_THREAD=1`` or ``poll``, and its time in them),
     ``background_event_queries`` and ``background_event_query_ns`` (that thread's queries of the
     events it watches under ``CACHEALLOC_EVENT_THREAD=poll``, and its time in them),
-    ``fresh_looks`` (allocations that asked the device afresh about parked frees before the policy
-    grew, where queries answer late),
     ``parked_waits`` and
     ``parked_wait_ns`` (allocations that waited for frees parked behind other streams instead of
     growing, and the time they waited: ``wait_parked_to_grow``), ``parked_reuses``,

@@ -223,7 +223,6 @@ void CudaAsyncBackend::do_release(void* ptr, std::size_t /*bytes*/) noexcept {
 
 EventId CudaAsyncBackend::record_event(StreamId stream) { return record_counted(events_, *this, stream); }
 bool CudaAsyncBackend::query_event(EventId event) { return query_counted(events_, *this, event); }
-bool CudaAsyncBackend::query_event_now(EventId event) { return query_counted(events_, *this, event, /*now=*/true); }
 void CudaAsyncBackend::synchronize_event(EventId event) { events_.synchronize(event); }
 bool CudaAsyncBackend::stream_wait_event(StreamId stream, EventId event) { return events_.stream_wait(stream, event); }
 void CudaAsyncBackend::destroy_event(EventId event) noexcept { events_.give_back(event); }

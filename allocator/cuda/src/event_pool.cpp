@@ -308,7 +308,7 @@ bool CudaEventPool::stream_wait(StreamId stream, EventId event) {
   return true;
 }
 
-bool CudaEventPool::query(EventId event, bool now) {
+bool CudaEventPool::query(EventId event) {
   if (is_fence(event)) {
     return fence_reached(event);
   }
@@ -317,20 +317,14 @@ bool CudaEventPool::query(EventId event, bool now) {
     posted = &slot_of(event);
     const std::uint32_t state = posted->state.load(std::memory_order_acquire);
     if (state != RecordThread::Slot::kRecorded) {
-      if (!now) {
-        check_recorded(*posted);
-        return false;  // queued, or being recorded: nothing fences the work before the free yet
-      }
-      record_posted_now(event);  // Note [A fresh look before a growth]: a record costs less
+      check_recorded(*posted);
+      return false;  // queued, or being recorded: nothing fences the work before the free yet
     }
     switch (posted->completion()) {  // Note [The record thread watches its events]
       case RecordThread::Slot::kDone:
         return true;
       case RecordThread::Slot::kWatched:
-        if (!now) {
-          return false;  // not complete at the worker's last look
-        }
-        break;
+        return false;  // not complete at the worker's last look
       case RecordThread::Slot::kUnwatched:
         break;
     }
@@ -385,10 +379,10 @@ EventId record_counted(CudaEventPool& pool, DeviceBackend& backend, StreamId str
   return pool.record(stream);
 }
 
-bool query_counted(CudaEventPool& pool, DeviceBackend& backend, EventId event, bool now) {
+bool query_counted(CudaEventPool& pool, DeviceBackend& backend, EventId event) {
   const detail::TimedCall timed(backend, backend.mutable_counters().event_ns);
   ++backend.mutable_counters().event_queries;
-  return pool.query(event, now);
+  return pool.query(event);
 }
 
 }  // namespace cachealloc

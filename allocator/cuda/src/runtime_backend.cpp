@@ -46,7 +46,6 @@ void CudaRuntimeBackend::do_release(void* ptr, std::size_t /*bytes*/) noexcept {
 
 EventId CudaRuntimeBackend::record_event(StreamId stream) { return record_counted(events_, *this, stream); }
 bool CudaRuntimeBackend::query_event(EventId event) { return query_counted(events_, *this, event); }
-bool CudaRuntimeBackend::query_event_now(EventId event) { return query_counted(events_, *this, event, /*now=*/true); }
 void CudaRuntimeBackend::synchronize_event(EventId event) { events_.synchronize(event); }
 bool CudaRuntimeBackend::stream_wait_event(StreamId stream, EventId event) { return events_.stream_wait(stream, event); }
 void CudaRuntimeBackend::destroy_event(EventId event) noexcept { events_.give_back(event); }

@@ -164,23 +164,6 @@
 // GB active against 14.5): a slow growth holds the host back while the copy stream drains, as
 // these waits do, and costs as much (13% of the step).
 //
-// Note [A fresh look before a growth]
-// Where the backend's queries may answer "not yet" a little late (queries_lag(): the record
-// thread answers from what it saw at its last look, Note [The record thread watches its events],
-// record_thread.h), a parked free may come back to the policy one look later than the device
-// allows, and a policy that misses meanwhile grows for it. On an H100 (bench/results/
-// defrag_session50_2026-12-07.md) offload_train's peak under the watching thread was higher than
-// without it (8 runs each over 100 steps: median 14,442 against 13,786 MiB), with more pages
-// created beyond the slack. A growth costs tens of microseconds and keeps its memory, a query
-// under one: so
-// while something is parked, allocate() first asks a policy that can hold its growth
-// (hold_growth) with the growth held, and only when that fails polls the parked frees with
-// query_event_now (the device's answer now; a queued record is made first) and asks again as
-// usual. Defrag's own fences get the same at a miss (DefragEngine::poll). In steady state the
-// held attempt is the allocation itself; only a would-be growth pays the second attempt and a
-// query per busy stream (`fresh_looks` counts them; defrag counts the held attempts in its
-// held_growths, and its placement counters see both attempts).
-//
 // Note [Cheap statistics on the fast path]
 // A cached alloc+free pair is a few dozen instructions of real work, and keeping five PyTorch
 // statistics (current, peak, cumulative each) was a quarter of it (cachealloc-micro, pair/512 on
@@ -382,7 +365,6 @@ class CachingAllocator final : public DeviceAllocator {
   /// Takes ownership of `backend`; the policy takes its keys from `config`.
   CachingAllocator(std::unique_ptr<DeviceBackend> backend, Config& config)
       : backend_(std::move(backend)), policy_(*backend_, config) {
-    queries_lag_ = kHoldsGrowth && backend_->queries_lag();  // Note [A fresh look before a growth]
     if (auto v = config.take_int("event_poll_interval", 1, 1024)) {  // Note [Polling parked frees]
       poll_interval_ = static_cast<std::uint32_t>(*v);
     }
@@ -464,8 +446,6 @@ class CachingAllocator final : public DeviceAllocator {
     try {
       if (parked_count_ != 0 && parked_over_limit()) {
         block = allocate_before_growth(bytes, stream);
-      } else if (parked_count_ != 0 && queries_lag_) {  // Note [A fresh look before a growth]
-        block = allocate_after_fresh_look(bytes, stream);
       } else {
         block = try_allocate(bytes, stream);
       }
@@ -675,7 +655,6 @@ class CachingAllocator final : public DeviceAllocator {
     active_freed_bytes_ = active_freed_count_ = 0;
     stats_.num_alloc_retries = stats_.num_ooms = stats_.num_sync_all_streams = 0;
     stats_.parked_waits = stats_.parked_wait_ns = 0;
-    stats_.fresh_looks = 0;
     stats_.parked_reuses = stats_.parked_reuse_bytes = stats_.parked_reuse_waits = 0;
   }
 
@@ -977,7 +956,7 @@ class CachingAllocator final : public DeviceAllocator {
       } else if (busy.contains(p.streams[i])) {
         return false;  // recorded after an event of the same stream that has not completed
       } else if (ev != known_done_) {
-        if (!ask_event(ev)) {
+        if (!backend_->query_event(ev)) {
           busy.add(p.streams[i]);
           return false;
         }
@@ -998,6 +977,13 @@ class CachingAllocator final : public DeviceAllocator {
   CACHEALLOC_SLOW_PATH Block allocate_before_growth(std::size_t bytes, StreamId stream) {
     Block b;
     if constexpr (kHoldsGrowth) {
+      struct Held {
+        P& p;
+        explicit Held(P& q) : p(q) { p.hold_growth(true); }
+        ~Held() { p.hold_growth(false); }
+        Held(const Held&) = delete;
+        Held& operator=(const Held&) = delete;
+      };
       std::uint64_t started = 0;
       while (parked_count_ != 0 && parked_over_limit()) {
         {
@@ -1020,48 +1006,6 @@ class CachingAllocator final : public DeviceAllocator {
       }
     }
     return b ? b : try_allocate(bytes, stream);
-  }
-
-  /// The policy's growth held for one scope (kHoldsGrowth).
-  struct Held {
-    P& p;
-    explicit Held(P& q) : p(q) { p.hold_growth(true); }
-    ~Held() { p.hold_growth(false); }
-    Held(const Held&) = delete;
-    Held& operator=(const Held&) = delete;
-  };
-
-  /// Note [A fresh look before a growth]: the policy first with its growth held; when that fails,
-  /// the parked frees polled with the device's answers now, then the policy as usual.
-  CACHEALLOC_SLOW_PATH Block allocate_after_fresh_look(std::size_t bytes, StreamId stream) {
-    if constexpr (kHoldsGrowth) {
-      Block b;
-      {
-        Held held(policy_);
-        b = try_allocate(bytes, stream);
-      }
-      if (b) {
-        return b;
-      }
-      ++stats_.fresh_looks;
-      struct Fresh {
-        bool& flag;
-        explicit Fresh(bool& f) : flag(f) { flag = true; }
-        ~Fresh() { flag = false; }
-        Fresh(const Fresh&) = delete;
-        Fresh& operator=(const Fresh&) = delete;
-      };
-      {
-        const Fresh fresh(fresh_queries_);
-        poll_pending();
-      }
-    }
-    return try_allocate(bytes, stream);
-  }
-
-  /// query_event, or query_event_now during a fresh look (Note [A fresh look before a growth]).
-  bool ask_event(EventId event) {
-    return fresh_queries_ ? backend_->query_event_now(event) : backend_->query_event(event);
   }
 
   /// Whether the parked frees exceed wait_parked_to_grow x the allocated bytes (never when unset).
@@ -1505,7 +1449,7 @@ class CachingAllocator final : public DeviceAllocator {
     }
     bool done = false;
     try {
-      done = ask_event(event);
+      done = backend_->query_event(event);
     } catch (...) {  // NOLINT(bugprone-empty-catch): a failed query: as not done, asked again later
     }
     if (done) {
@@ -1985,8 +1929,6 @@ class CachingAllocator final : public DeviceAllocator {
   // Note [Reusing a parked free on the stream it waits for]
   bool reuse_parked_ = true;                  // CACHEALLOC_CONF reuse_parked
   bool reuse_waits_ = true;                   // CACHEALLOC_CONF reuse_parked_waits
-  bool queries_lag_ = false;                  // kHoldsGrowth and backend_->queries_lag()
-  bool fresh_queries_ = false;                // inside a fresh look: ask_event asks the device now
   std::size_t reused_count_ = 0;              // entries of pending_ reused, not yet gone
   std::size_t unrecorded_ = 0;               // the newest parked frees, events not yet recorded
   std::vector<SharedEvent> shared_events_;   // events held by more than one parked free

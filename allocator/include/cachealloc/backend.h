@@ -192,15 +192,9 @@ class DeviceBackend {
   /// Records an event on `stream` (from a pool; cheap to call often). Throws DeviceError.
   [[nodiscard]] virtual EventId record_event(StreamId stream) = 0;
   /// True when all work on the stream before the event has finished. Throws DeviceError.
-  /// Where queries_lag(), "not yet" may be a little late (Note [A fresh look before a growth]).
+  /// Under CACHEALLOC_EVENT_THREAD=poll the CUDA backends' "not yet" may be up to a look of their
+  /// record thread late (Note [The record thread watches its events], record_thread.h).
   [[nodiscard]] virtual bool query_event(EventId event) = 0;
-  /// The device's answer now, where query_event() may answer late: for a decision that costs far
-  /// more than a query (a growth). Throws DeviceError.
-  [[nodiscard]] virtual bool query_event_now(EventId event) { return query_event(event); }
-  /// Whether query_event() may answer "not yet" for an event that completed a little earlier
-  /// (CUDA backends under CACHEALLOC_EVENT_THREAD=poll: Note [The record thread watches its
-  /// events], record_thread.h).
-  [[nodiscard]] virtual bool queries_lag() const noexcept { return false; }
   /// Blocks until the event completed. Throws DeviceError.
   virtual void synchronize_event(EventId event) = 0;
   /// Returns the event to the pool.

@@ -121,9 +121,12 @@ struct SimOptions {
   /// Queries that answer late, as the CUDA backends' under CACHEALLOC_EVENT_THREAD=poll (Note [The
   /// record thread watches its events], record_thread.h): with N > 0, query_event() answers what
   /// a watcher saw at its last look, and it looks once every N calls of query_event() (each
-  /// event it finds complete then stays so); query_event_now() answers the device's state now.
-  /// queries_lag() is then true (Note [A fresh look before a growth], allocator.h).
+  /// event it finds complete then stays so).
   std::uint32_t query_lag_calls = 0;
+  /// The same by time: the watcher looks at a query_event() once this long (on clock_ns()) has
+  /// passed since its last look, as the record thread polls every 50-100 us
+  /// (cachealloc-replay --query-lag-us).
+  std::uint64_t query_look_ns = 0;
 };
 
 // Note [Simulated stream waits]
@@ -150,10 +153,6 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
 
   [[nodiscard]] EventId record_event(StreamId stream) override;
   [[nodiscard]] bool query_event(EventId event) override;
-  [[nodiscard]] bool query_event_now(EventId event) override;
-  [[nodiscard]] bool queries_lag() const noexcept override { return options_.query_lag_calls != 0; }
-  /// query_event_now() calls so far (SimOptions::query_lag_calls).
-  [[nodiscard]] std::uint64_t queries_now() const noexcept { return queries_now_; }
   void synchronize_event(EventId event) override;
   void destroy_event(EventId event) noexcept override;
   /// Note [Simulated stream waits]: the events recorded on `stream` from now on complete only
@@ -307,7 +306,7 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
   std::uint64_t clock_ns_ = 0;    // Note [Simulated time]
   mutable std::uint64_t query_gen_ = 0;  // event_done()'s current query (Event::pending_in_query)
   std::uint32_t calls_since_look_ = 0;   // SimOptions::query_lag_calls
-  std::uint64_t queries_now_ = 0;
+  std::uint64_t last_look_ns_ = 0;       // SimOptions::query_look_ns
   std::uint64_t charged_ns_ = 0;  // modelled cost of the calls made so far
   void charge(std::uint64_t ns) noexcept {
     if (options_.model_call_costs) {

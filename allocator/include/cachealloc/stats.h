@@ -86,9 +86,6 @@ struct Stats {
   /// wait_parked_to_grow (Note [Waiting for frees in flight instead of growing], allocator.h):
   /// growths the policy held back, and the time spent waiting for parked frees instead.
   std::uint64_t parked_waits = 0;
-  /// Allocations that polled the parked frees with the device's answers now before the policy
-  /// grew (Note [A fresh look before a growth], allocator.h).
-  std::uint64_t fresh_looks = 0;
   std::uint64_t parked_wait_ns = 0;
   /// reuse_parked (Note [Reusing a parked free on the stream it waits for], allocator.h): parked
   /// frees an allocation on a stream they waited for took at once, and their bytes.

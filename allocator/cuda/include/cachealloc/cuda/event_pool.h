@@ -97,11 +97,9 @@ class CudaEventPool {
   /// Always a CUDA event (for cudaStreamWaitEvent). Throws DeviceError.
   [[nodiscard]] EventId record_event(StreamId stream);
   /// True when the work before the event finished (cudaEventQuery). A posted record the thread
-  /// watches is answered from its word (Note [The record thread watches its events]); with
-  /// `now`, the device is asked (and a queued record made first). Throws DeviceError.
-  [[nodiscard]] bool query(EventId event, bool now = false);
-  /// Whether query() may answer from the record thread's word (CACHEALLOC_EVENT_THREAD=poll).
-  [[nodiscard]] bool watches() const noexcept { return thread_watches_; }
+  /// watches is answered from its word (Note [The record thread watches its events]). Throws
+  /// DeviceError.
+  [[nodiscard]] bool query(EventId event);
   /// Makes `stream` wait on the device for the event (cudaStreamWaitEvent) or host fence
   /// (cuStreamWaitValue64 on its counter); false for a fence where the driver lacks that call.
   /// Throws DeviceError.
@@ -200,6 +198,6 @@ class CudaEventPool {
 /// call) in `backend`'s counters: the CUDA backends' record_event().
 [[nodiscard]] EventId record_counted(CudaEventPool& pool, DeviceBackend& backend, StreamId stream);
 /// pool.query(event), counted (event_queries) and timed likewise: their query_event().
-[[nodiscard]] bool query_counted(CudaEventPool& pool, DeviceBackend& backend, EventId event, bool now = false);
+[[nodiscard]] bool query_counted(CudaEventPool& pool, DeviceBackend& backend, EventId event);
 
 }  // namespace cachealloc

@@ -33,8 +33,6 @@ class CudaRuntimeBackend : public DeviceBackend {
 
   [[nodiscard]] EventId record_event(StreamId stream) override;
   [[nodiscard]] bool query_event(EventId event) override;
-  [[nodiscard]] bool query_event_now(EventId event) override;
-  [[nodiscard]] bool queries_lag() const noexcept override { return events_.watches(); }
   void synchronize_event(EventId event) override;
   [[nodiscard]] bool stream_wait_event(StreamId stream, EventId event) override;
   void destroy_event(EventId event) noexcept override;
