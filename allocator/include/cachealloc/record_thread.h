@@ -40,12 +40,12 @@
 // (bench/results/defrag_session50_2026-12-07.md) offload_train's allocating thread still spent
 // 600-760 us a step in event calls with the worker recording (710-950 with its own records):
 // about 550 queries a step, dearer than beside its own records (probably waiting for the driver's
-// lock while the worker records), so the thread saved 110-200 us of a step though it took 410-1,430
-// us of records over. Given a QueryFn, the worker also watches the events it recorded: after each pass over the
-// queue, and every `poll` while any is watched, it asks each stream's oldest watched event, then
-// the next while they completed (events of one stream complete in order: Note [One query per busy
-// stream], allocator.h), and publishes the answer in the slot (`watch`: the post's generation and
-// kWatched or kDone). A caller's query of a watched slot reads that word and calls nothing: "not
+// lock while the worker records), so the thread saved 110-200 us of a step though it took
+// 410-1,430 us of records over. Given a QueryFn, the worker also watches the events it recorded:
+// after each pass over the queue, and every `poll` while any is watched, it asks each stream's
+// oldest watched event, then the next while they completed (events of one stream complete in
+// order: Note [One query per busy stream], allocator.h), and publishes the answer in the slot
+// (`watch`: the post's generation and kWatched or kDone). A caller's query of a watched slot reads that word and calls nothing: "not
 // yet" may be one poll late, which only delays a reuse. A slot recorded by a caller, or one the
 // worker gave up on (a failed query, no room in its list), is not watched: the caller asks the
 // device itself. Each submit bumps the slot's generation, so an answer about an earlier post of a

@@ -285,7 +285,7 @@ class SimBackend final : public DeviceBackend, private VirtualMemory {
     // with two streams waiting on each other the waits form a DAG with many paths, and an
     // unmemoized walk took exponential time (Note [Simulated stream waits]).
     mutable std::uint64_t pending_in_query = 0;
-    bool seen = false;  // SimOptions::query_lag_calls: the watcher saw it complete
+    bool seen = false;  // SimOptions::query_lag_calls / query_look_ns: the watcher saw it complete
   };
   /// Note [Simulated stream waits]: events of the stream with a sequence above `after` also
   /// wait for `event`.
