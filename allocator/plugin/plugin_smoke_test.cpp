@@ -88,6 +88,23 @@ int main() {
   SMOKE_CHECK(cachealloc_validate_config("policy:defrag,background_unmap:maybe") == -1);
   SMOKE_CHECK(std::string(cachealloc_last_error()).find("background_unmap") != std::string::npos);
   SMOKE_CHECK(cachealloc_validate_config("policy:size_class,background_unmap:True") == -1);
+  // event_thread (event_thread.h): every CUDA backend takes it, checked by value; the variable
+  // CACHEALLOC_EVENT_THREAD overrides it and is checked too.
+  SMOKE_CHECK(cachealloc_validate_config("policy:defrag,event_thread:off") == 0);
+  SMOKE_CHECK(cachealloc_validate_config("policy:size_class,event_thread:records") == 0);
+  SMOKE_CHECK(cachealloc_validate_config("policy:async,event_thread:poll") == 0);
+  SMOKE_CHECK(cachealloc_validate_config("policy:native,event_thread:1") == 0);
+  for (const char* policy : {"defrag", "size_class", "async"}) {
+    SMOKE_CHECK(cachealloc_validate_config((std::string("policy:") + policy + ",event_thread:sometimes").c_str()) == -1);
+    SMOKE_CHECK(std::string(cachealloc_last_error()).find("'event_thread' expects off, records or poll") !=
+                std::string::npos);
+  }
+  ::setenv("CACHEALLOC_EVENT_THREAD", "always", 1);
+  SMOKE_CHECK(cachealloc_validate_config("policy:defrag") == -1);
+  SMOKE_CHECK(std::string(cachealloc_last_error()).find("CACHEALLOC_EVENT_THREAD") != std::string::npos);
+  ::setenv("CACHEALLOC_EVENT_THREAD", "poll", 1);
+  SMOKE_CHECK(cachealloc_validate_config("policy:size_class") == 0);
+  ::unsetenv("CACHEALLOC_EVENT_THREAD");
   // map_threads was removed (session 35): an unknown key now, refused by name.
   SMOKE_CHECK(cachealloc_validate_config("policy:defrag,map_threads:4") == -1);
   SMOKE_CHECK(std::string(cachealloc_last_error()).find("map_threads") != std::string::npos);

@@ -5,6 +5,7 @@
 #include "recording_backend.h"
 
 #include <cachealloc/cuda/async_backend.h>
+#include <cachealloc/cuda/event_thread.h>
 #include <cachealloc/cuda/factory.h>
 #include <cachealloc/cuda/vmm_backend.h>
 #include <cachealloc/errors.h>
@@ -184,6 +185,8 @@ FrontEndSettings validate_config(std::string_view text) {
   }
   if (settings.backend_kind == "virtual_memory") {
     (void)CudaVmmOptions::from_config(values);  // its values are checked here, as async's above
+  } else {
+    (void)take_event_thread(values, EventThread::off);
   }
   for (std::string_view k : cuda_backend_config_keys(settings.backend_kind)) {
     (void)values.take_string(k);

@@ -192,7 +192,7 @@ COUNTER_KEYS = ("allocator_ns", "alloc_calls", "free_calls", "num_device_alloc",
                 "reserve_ns", "release_ns", "create_ns", "release_physical_ns", "map_ns", "unmap_ns",
                 # the VMM backend's unmap thread (Note [Unmapping off the allocating thread])
                 "background_unmaps", "background_unmap_ns", "background_unmap_wait_ns",
-                # the CUDA event pool's record thread (CACHEALLOC_EVENT_THREAD=1 or poll, record_thread.h)
+                # the CUDA event pool's record thread (event_thread records or poll, record_thread.h)
                 "background_event_records", "background_event_ns", "background_event_queries",
                 "background_event_query_ns",
                 "num_alloc_retries", "num_ooms",

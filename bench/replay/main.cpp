@@ -232,7 +232,7 @@ int main(int argc, char** argv) {
   app.add_option("--query-lag-us", query_lag_us,
                  "simulated device: event queries answer from a watcher's look taken at most this "
                  "many microseconds (simulated clock) ago, as the CUDA backends' under "
-                 "CACHEALLOC_EVENT_THREAD=poll (default 0: queries answer at once)");
+                 "event_thread:poll, defrag's default on a GPU (default 0: queries answer at once)");
   CLI::Option* lags_flag = app.add_flag("--stream-lags", stream_lags,
                "simulated device: a stream stays busy as long as the trace's late frees "
                "(record_stream) show its work ran behind the host, on top of --gpu-lag-us (Note "

@@ -219,7 +219,7 @@ struct ReplayOptions {
   /// once): SimOptions::event_lag_ns, Note [Simulated events].
   std::uint64_t gpu_lag_us = 0;
   /// Event queries answer from a watcher's look taken at most this long ago (0: at once), as the
-  /// CUDA backends' under CACHEALLOC_EVENT_THREAD=poll: SimOptions::query_look_ns.
+  /// CUDA backends' under event_thread:poll: SimOptions::query_look_ns.
   std::uint64_t query_lag_us = 0;
   /// Each stream finishes its work as late as the trace's late frees show (trace.stream_lags;
   /// streams without a sample: gpu_lag_us): Note [Each stream's own lag].

@@ -239,7 +239,7 @@ TEST_CASE("randomized operation sequences keep every invariant: defrag growing a
 
 TEST_CASE("randomized operation sequences keep every invariant: queries that answer late", "[randomized]") {
   // Note [The record thread watches its events] (record_thread.h): query_event answers from a
-  // look taken every 5th query, as under CACHEALLOC_EVENT_THREAD=poll; late answers only delay.
+  // look taken every 5th query, as under event_thread:poll; late answers only delay.
   const std::string policy = GENERATE(from_range(cachealloc::test::policy_names()));
   const std::uint64_t total = operations_per_policy();
   for (std::uint64_t seed = 1; seed <= 2; ++seed) {

@@ -189,8 +189,7 @@ TEST_CASE("cuda_runtime: cudaMalloc, out of memory, pooled events", "[gpu][runti
   }
 
   SECTION("events (the default): pending while the stream is busy, done after; reused from the pool") {
-    // Recorded on this thread, also when the suite runs under CACHEALLOC_EVENT_THREAD=1.
-    const ScopedEnv no_thread("CACHEALLOC_EVENT_THREAD", nullptr);
+    // Recorded on this thread: cuda_runtime's default (event_thread.h).
     CudaRuntimeBackend events_only(test_device());
     GPU_REQUIRE_OK(launch_spin(cycles_for_ms(20), s.get()));
     // Without the variable, also when the suite runs under CACHEALLOC_HOST_FENCES=1 (that run,
@@ -222,14 +221,13 @@ TEST_CASE("cuda_runtime: cudaMalloc, out of memory, pooled events", "[gpu][runti
     CHECK(events_only.event_pool().idle() == 40);
   }
 
-  SECTION("record thread (CACHEALLOC_EVENT_THREAD=1 or poll): posted records fence the work before them") {
+  SECTION("record thread (event_thread records or poll): posted records fence the work before them") {
     // Note [Event records on a thread of their own], Note [The record thread watches its events]
     // (record_thread.h).
     const ScopedFencesEnv no_fences(nullptr);
     const bool watches = GENERATE(false, true);
     CAPTURE(watches);
-    const ScopedEnv thread_on("CACHEALLOC_EVENT_THREAD", watches ? "poll" : "1");
-    CudaRuntimeBackend threaded(test_device());
+    CudaRuntimeBackend threaded(test_device(), watches ? EventThread::poll : EventThread::records);
     TestStream other;
     GPU_REQUIRE_OK(launch_spin(cycles_for_ms(30), s.get()));
     const EventId ev = threaded.record_event(s.id());
@@ -469,6 +467,29 @@ TEST_CASE("cuda_vmm: background unmap (aliasing while the old mapping goes, wait
   CHECK_FALSE(dynamic_cast<CudaVmmBackend&>(*made).options().background_unmap);
   Config bad = Config::parse("background_unmap:sometimes");
   CHECK_THROWS_AS(make_cuda_backend("virtual_memory", test_device(), bad), ConfigError);
+  {
+    // Note [Watching events by default on virtual memory] (event_thread.h): the record thread
+    // watches by default here; event_thread:off records on the caller's thread.
+    const ScopedEnv no_variable("CACHEALLOC_EVENT_THREAD", nullptr);
+    const ScopedFencesEnv no_fences(nullptr);
+    TestStream ts;
+    Config defaults = Config::parse("");
+    auto watching = make_cuda_backend("virtual_memory", test_device(), defaults);
+    CHECK(dynamic_cast<CudaVmmBackend&>(*watching).options().event_thread == EventThread::poll);
+    const EventId posted = watching->record_event(ts.id());
+    CHECK(CudaEventPool::is_posted(posted));
+    watching->synchronize_event(posted);
+    CHECK(watching->query_event(posted));
+    watching->destroy_event(posted);
+    Config off = Config::parse("event_thread:off");
+    auto plain = make_cuda_backend("virtual_memory", test_device(), off);
+    const EventId own = plain->record_event(ts.id());
+    CHECK_FALSE(CudaEventPool::is_posted(own));
+    plain->synchronize_event(own);
+    plain->destroy_event(own);
+    Config typo = Config::parse("event_thread:sometimes");
+    CHECK_THROWS_AS(make_cuda_backend("virtual_memory", test_device(), typo), ConfigError);
+  }
 }
 
 TEST_CASE("cuda_vmm: a run of handles maps in one go, and a failed run leaves nothing mapped",

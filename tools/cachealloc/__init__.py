@@ -386,9 +386,9 @@ def memory_stats(device: DeviceLike = None) -> dict[str, int]:
     ``background_unmap_ns`` and ``background_unmap_wait_ns`` (unmaps run by the VMM backend's own
     thread, its time in them, and the time allocations waited for them),
     ``background_event_records`` and ``background_event_ns`` (event records made by the CUDA
-    event pool's own thread under ``CACHEALLOC_EVENT_THREAD=1`` or ``poll``, and its time in them),
+    event pool's own thread under ``event_thread:records`` or ``poll``, and its time in them),
     ``background_event_queries`` and ``background_event_query_ns`` (that thread's queries of the
-    events it watches under ``CACHEALLOC_EVENT_THREAD=poll``, and its time in them),
+    events it watches under ``event_thread:poll``, defrag's default, and its time in them),
     ``parked_waits`` and
     ``parked_wait_ns`` (allocations that waited for frees parked behind other streams instead of
     growing, and the time they waited: ``wait_parked_to_grow``), ``parked_reuses``,

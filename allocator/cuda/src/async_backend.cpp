@@ -24,16 +24,17 @@ CudaAsyncOptions CudaAsyncOptions::from_config(Config& config) {
   if (auto v = config.take_bool("async_reuse_allow_internal_dependencies")) {
     o.reuse_allow_internal_dependencies = *v;
   }
+  o.event_thread = take_event_thread(config, o.event_thread);
   return o;
 }
 
 std::vector<std::string_view> CudaAsyncBackend::config_keys() {
   return {"async_release_threshold", "async_reuse_follow_event_dependencies",
-          "async_reuse_allow_opportunistic", "async_reuse_allow_internal_dependencies"};
+          "async_reuse_allow_opportunistic", "async_reuse_allow_internal_dependencies", "event_thread"};
 }
 
 CudaAsyncBackend::CudaAsyncBackend(int device, CudaAsyncOptions options)
-    : device_(device), options_(options), events_(device) {
+    : device_(device), options_(options), events_(device, options.event_thread) {
   cuda_detail::initialise_device(device);
   total_memory_ = cuda_detail::memory_info(device).total_bytes;
   CudaDeviceGuard guard(device);

@@ -19,13 +19,10 @@
 
 namespace cachealloc {
 
-CudaEventPool::CudaEventPool(int device) noexcept : device_(device) {
-  // Opt-in while it is measured (Note [Event records on a thread of their own], Note [The record
-  // thread watches its events]).
-  const char* v = std::getenv("CACHEALLOC_EVENT_THREAD");
-  thread_watches_ = v != nullptr && std::string_view(v) == "poll";
-  thread_wanted_ = thread_watches_ || (v != nullptr && std::string_view(v) == "1");
-}
+CudaEventPool::CudaEventPool(int device, EventThread mode) noexcept
+    : device_(device),
+      thread_wanted_(mode != EventThread::off),
+      thread_watches_(mode == EventThread::poll) {}
 
 CudaEventPool::~CudaEventPool() {
   thread_.reset();  // records what is queued, then joins: nothing uses the events after this

@@ -1,5 +1,6 @@
 // factory.cpp: the CUDA backends by name, and device queries (see factory.h).
 #include <cachealloc/cuda/async_backend.h>
+#include <cachealloc/cuda/event_thread.h>
 #include <cachealloc/cuda/factory.h>
 #include <cachealloc/cuda/runtime_backend.h>
 #include <cachealloc/cuda/vmm_backend.h>
@@ -9,7 +10,53 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdlib>
+#include <string>
+
 namespace cachealloc {
+
+std::optional<EventThread> parse_event_thread(std::string_view text) noexcept {
+  if (text == "off" || text == "0") {
+    return EventThread::off;
+  }
+  if (text == "records" || text == "1") {
+    return EventThread::records;
+  }
+  if (text == "poll") {
+    return EventThread::poll;
+  }
+  return std::nullopt;
+}
+
+std::string_view event_thread_name(EventThread mode) noexcept {
+  switch (mode) {
+    case EventThread::off: return "off";
+    case EventThread::records: return "records";
+    case EventThread::poll: return "poll";
+  }
+  return "off";
+}
+
+EventThread take_event_thread(Config& config, EventThread fallback) {
+  EventThread mode = fallback;
+  if (auto v = config.take_string("event_thread")) {
+    const auto parsed = parse_event_thread(*v);
+    if (!parsed) {
+      throw ConfigError("CACHEALLOC_CONF: 'event_thread' expects off, records or poll, got '" + *v + "'");
+    }
+    mode = *parsed;
+  }
+  // Note [Watching events by default on virtual memory]: the variable overrides the key.
+  if (const char* env = std::getenv("CACHEALLOC_EVENT_THREAD"); env != nullptr && *env != '\0') {
+    const auto parsed = parse_event_thread(env);
+    if (!parsed) {
+      throw ConfigError(std::string("CACHEALLOC_EVENT_THREAD expects 0, off, 1, records or poll, got '") + env +
+                        "' (unset it to use CACHEALLOC_CONF's event_thread)");
+    }
+    mode = *parsed;
+  }
+  return mode;
+}
 
 std::vector<std::string_view> cuda_backend_kinds() {
   return {"runtime", "virtual_memory", "stream_ordered"};
@@ -22,12 +69,15 @@ std::vector<std::string_view> cuda_backend_config_keys(std::string_view kind) {
   if (kind == "virtual_memory") {
     return CudaVmmBackend::config_keys();
   }
+  if (kind == "runtime") {
+    return {"event_thread"};
+  }
   return {};
 }
 
 std::unique_ptr<DeviceBackend> make_cuda_backend(std::string_view kind, int device, Config& config) {
   if (kind == "runtime") {
-    return std::make_unique<CudaRuntimeBackend>(device);
+    return std::make_unique<CudaRuntimeBackend>(device, take_event_thread(config, EventThread::off));
   }
   if (kind == "virtual_memory") {
     return std::make_unique<CudaVmmBackend>(device, CudaVmmOptions::from_config(config));

@@ -8,7 +8,8 @@
 
 namespace cachealloc {
 
-CudaRuntimeBackend::CudaRuntimeBackend(int device) : device_(device), events_(device) {
+CudaRuntimeBackend::CudaRuntimeBackend(int device, EventThread events)
+    : device_(device), events_(device, events) {
   cuda_detail::initialise_device(device);
   total_memory_ = cuda_detail::memory_info(device).total_bytes;
 }

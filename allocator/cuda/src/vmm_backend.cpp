@@ -66,13 +66,14 @@ CudaVmmOptions CudaVmmOptions::from_config(Config& config) {
   if (auto v = config.take_bool("background_unmap")) {
     o.background_unmap = *v;
   }
+  o.event_thread = take_event_thread(config, o.event_thread);
   return o;
 }
 
-std::vector<std::string_view> CudaVmmBackend::config_keys() { return {"background_unmap"}; }
+std::vector<std::string_view> CudaVmmBackend::config_keys() { return {"background_unmap", "event_thread"}; }
 
 CudaVmmBackend::CudaVmmBackend(int device, CudaVmmOptions options)
-    : CudaRuntimeBackend(with_driver_api(device)), options_(options) {
+    : CudaRuntimeBackend(with_driver_api(device), options.event_thread), options_(options) {
   // The runtime initialised the primary context (CudaRuntimeBackend's constructor called
   // cudaFree(nullptr) on the device); the driver calls below run in it.
   const cuda_detail::DriverApi& api = cuda_detail::driver_api();

@@ -192,8 +192,8 @@ class DeviceBackend {
   /// Records an event on `stream` (from a pool; cheap to call often). Throws DeviceError.
   [[nodiscard]] virtual EventId record_event(StreamId stream) = 0;
   /// True when all work on the stream before the event has finished. Throws DeviceError.
-  /// Under CACHEALLOC_EVENT_THREAD=poll the CUDA backends' "not yet" may be up to a look of their
-  /// record thread late (Note [The record thread watches its events], record_thread.h).
+  /// Under event_thread:poll (defrag's default) the CUDA backends' "not yet" may be up to a look
+  /// of their record thread late (Note [The record thread watches its events], record_thread.h).
   [[nodiscard]] virtual bool query_event(EventId event) = 0;
   /// Blocks until the event completed. Throws DeviceError.
   virtual void synchronize_event(EventId event) = 0;

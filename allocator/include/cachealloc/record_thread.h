@@ -1,5 +1,6 @@
 // record_thread.h: event records handed to a worker thread, so that the allocating thread does
-// not pay the driver call (used by the CUDA backends' event pool, CACHEALLOC_EVENT_THREAD=1).
+// not pay the driver call (used by the CUDA backends' event pool under event_thread:records or
+// poll, cuda/event_thread.h).
 //
 // Note [Event records on a thread of their own]
 // A block freed after another stream used it (record_stream) is parked until that stream's work

@@ -118,7 +118,7 @@ struct SimOptions {
   /// address range first waits for it (the clock moves as for synchronize_event). False: the
   /// waiting default of VirtualMemory.
   bool unmap_after_streams = true;
-  /// Queries that answer late, as the CUDA backends' under CACHEALLOC_EVENT_THREAD=poll (Note [The
+  /// Queries that answer late, as the CUDA backends' under event_thread:poll (Note [The
   /// record thread watches its events], record_thread.h): with N > 0, query_event() answers what
   /// a watcher saw at its last look, and it looks once every N calls of query_event() (each
   /// event it finds complete then stays so).

@@ -74,7 +74,7 @@ struct Stats {
   std::uint64_t background_unmap_ns = 0;
   std::uint64_t background_unmap_wait_ns = 0;
   /// Event records made by the backend's record thread instead of inside allocator calls, and
-  /// that thread's time in them (CACHEALLOC_EVENT_THREAD=1: Note [Event records on a thread of
+  /// that thread's time in them (event_thread records or poll: Note [Event records on a thread of
   /// their own], record_thread.h). num_event_records counts them too, event_ns does not.
   std::uint64_t background_event_records = 0;
   std::uint64_t background_event_ns = 0;

@@ -19,6 +19,7 @@
 #include <cachealloc/config.h>
 #include <cachealloc/stream_ordered.h>
 #include <cachealloc/cuda/event_pool.h>
+#include <cachealloc/cuda/event_thread.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -37,9 +38,11 @@ struct CudaAsyncOptions {
   bool reuse_follow_event_dependencies = true;    ///< cudaMemPoolReuseFollowEventDependencies
   bool reuse_allow_opportunistic = true;          ///< cudaMemPoolReuseAllowOpportunistic
   bool reuse_allow_internal_dependencies = true;  ///< cudaMemPoolReuseAllowInternalDependencies
+  /// event_thread:off|records|poll (event_thread.h; default off: not measured on this backend).
+  EventThread event_thread = EventThread::off;
 
   /// Takes async_release_threshold, async_reuse_follow_event_dependencies,
-  /// async_reuse_allow_opportunistic and async_reuse_allow_internal_dependencies.
+  /// async_reuse_allow_opportunistic, async_reuse_allow_internal_dependencies and event_thread.
   static CudaAsyncOptions from_config(Config& config);
 };
 
@@ -93,7 +96,7 @@ class CudaAsyncBackend final : public DeviceBackend, public StreamOrderedMemory 
   [[nodiscard]] const CudaAsyncOptions& options() const noexcept { return options_; }
   [[nodiscard]] cudaMemPool_t pool() const noexcept { return pool_; }
   [[nodiscard]] const CudaEventPool& event_pool() const noexcept { return events_; }
-  /// The event pool's record thread, when it has one (CACHEALLOC_EVENT_THREAD=1).
+  /// The event pool's record thread, when it has one (event_thread records or poll).
   [[nodiscard]] BackgroundWork background_work() const noexcept override {
     return events_.thread_work();
   }

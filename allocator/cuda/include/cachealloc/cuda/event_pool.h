@@ -65,6 +65,7 @@
 #pragma once
 
 #include <cachealloc/backend.h>
+#include <cachealloc/cuda/event_thread.h>
 #include <cachealloc/record_thread.h>
 #include <cachealloc/types.h>
 
@@ -83,10 +84,9 @@ class DeviceBackend;
 /// serialises calls, see backend.h).
 class CudaEventPool {
  public:
-  /// Hands record() calls to a thread of their own when CACHEALLOC_EVENT_THREAD=1 is set at
-  /// construction, and has that thread watch the events too with CACHEALLOC_EVENT_THREAD=poll
-  /// (host fences, when on, take precedence).
-  explicit CudaEventPool(int device) noexcept;
+  /// Hands record() calls to a thread of their own with `mode` records, and has that thread
+  /// watch the events too with poll (event_thread.h; host fences, when on, take precedence).
+  explicit CudaEventPool(int device, EventThread mode = EventThread::off) noexcept;
   ~CudaEventPool();
   CudaEventPool(const CudaEventPool&) = delete;
   CudaEventPool& operator=(const CudaEventPool&) = delete;
@@ -173,7 +173,7 @@ class CudaEventPool {
 
   int device_;
   bool thread_wanted_ = false;
-  bool thread_watches_ = false;  // CACHEALLOC_EVENT_THREAD=poll
+  bool thread_watches_ = false;  // event_thread poll
   std::vector<std::unique_ptr<RecordThread::Slot>> slots_;  // every slot (each owns its event)
   std::vector<RecordThread::Slot*> idle_slots_;
   std::unique_ptr<RecordThread> thread_;  // started by the first record() that wants it

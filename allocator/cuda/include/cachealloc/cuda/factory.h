@@ -18,13 +18,13 @@
 
 namespace cachealloc {
 
-/// Builds the backend of `kind` for `device`; the stream-ordered and virtual-memory backends
-/// take their keys (cuda_backend_config_keys) from `config`. Throws ConfigError for an unknown kind or a bad
+/// Builds the backend of `kind` for `device`; each backend takes its keys
+/// (cuda_backend_config_keys) from `config`. Throws ConfigError for an unknown kind or a bad
 /// value, DeviceError when the device or driver cannot provide the backend.
 [[nodiscard]] std::unique_ptr<DeviceBackend> make_cuda_backend(std::string_view kind, int device,
                                                                Config& config);
 
-/// The CACHEALLOC_CONF keys the backend of `kind` takes (none for runtime).
+/// The CACHEALLOC_CONF keys the backend of `kind` takes (every kind: event_thread, event_thread.h).
 [[nodiscard]] std::vector<std::string_view> cuda_backend_config_keys(std::string_view kind);
 
 /// The backend kinds make_cuda_backend understands.

@@ -10,6 +10,7 @@
 
 #include <cachealloc/backend.h>
 #include <cachealloc/cuda/event_pool.h>
+#include <cachealloc/cuda/event_thread.h>
 
 #include <cstddef>
 #include <string_view>
@@ -19,8 +20,9 @@ namespace cachealloc {
 class CudaRuntimeBackend : public DeviceBackend {
  public:
   /// Initialises the runtime on `device` (primary context). Throws DeviceError when the device
-  /// does not exist or the driver is unusable.
-  explicit CudaRuntimeBackend(int device);
+  /// does not exist or the driver is unusable. `events`: who records and watches its events
+  /// (event_thread.h).
+  explicit CudaRuntimeBackend(int device, EventThread events = EventThread::off);
   ~CudaRuntimeBackend() override;
 
   [[nodiscard]] std::string_view name() const noexcept override { return "cuda_runtime"; }
@@ -38,7 +40,7 @@ class CudaRuntimeBackend : public DeviceBackend {
   void destroy_event(EventId event) noexcept override;
 
   [[nodiscard]] const CudaEventPool& event_pool() const noexcept { return events_; }
-  /// The event pool's record thread, when it has one (CACHEALLOC_EVENT_THREAD=1).
+  /// The event pool's record thread, when it has one (event_thread records or poll).
   [[nodiscard]] BackgroundWork background_work() const noexcept override {
     return events_.thread_work();
   }

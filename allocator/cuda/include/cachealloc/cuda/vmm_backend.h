@@ -29,6 +29,7 @@
 #include <cachealloc/background_unmapper.h>
 #include <cachealloc/backend.h>
 #include <cachealloc/config.h>
+#include <cachealloc/cuda/event_thread.h>
 #include <cachealloc/cuda/runtime_backend.h>
 
 #include <cuda_runtime_api.h>
@@ -56,6 +57,9 @@ namespace cachealloc {
 struct CudaVmmOptions {
   /// background_unmap:True|False: cuMemUnmap on a thread of the backend (default True).
   bool background_unmap = true;
+  /// event_thread:off|records|poll (default poll: Note [Watching events by default on virtual
+  /// memory], event_thread.h).
+  EventThread event_thread = EventThread::poll;
 
   /// Takes the keys below from `config`; throws ConfigError for a malformed value.
   static CudaVmmOptions from_config(Config& config);
