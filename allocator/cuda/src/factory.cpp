@@ -28,15 +28,6 @@ std::optional<EventThread> parse_event_thread(std::string_view text) noexcept {
   return std::nullopt;
 }
 
-std::string_view event_thread_name(EventThread mode) noexcept {
-  switch (mode) {
-    case EventThread::off: return "off";
-    case EventThread::records: return "records";
-    case EventThread::poll: return "poll";
-  }
-  return "off";
-}
-
 EventThread take_event_thread(Config& config, EventThread fallback) {
   EventThread mode = fallback;
   if (auto v = config.take_string("event_thread")) {

@@ -39,7 +39,6 @@ enum class EventThread : unsigned char {
 /// "off", "records" or "poll" (also "0" and "1" for off and records, as the environment variable
 /// takes them); nullopt for anything else.
 [[nodiscard]] std::optional<EventThread> parse_event_thread(std::string_view text) noexcept;
-[[nodiscard]] std::string_view event_thread_name(EventThread mode) noexcept;
 
 /// Takes `event_thread` from `config` (`fallback` when absent), then applies
 /// CACHEALLOC_EVENT_THREAD when that is set and not empty. Throws ConfigError for a bad value of
