@@ -12,6 +12,11 @@
 # staged first and then copied over their namesakes: anything else in gpu-bundle/ (the lead's
 # or another engineer's files, e.g. the LibTorch adapter) stays. Build with the same PyTorch
 # (2.11, CUDA 13) as the device, so that the plugin links the same libtorch/libc10.
+#
+# SLIM=1 also packs what the e2e and suite scripts need (the GPU tests, the LibTorch adapter and
+# its tests, the plugin, the call timer), stripped, into gpu-bundle-slim/gb.tar.xz (about 1.4 MB)
+# with COMMIT beside it: a device call carries at most 64 MiB with the tracked tree (58 MiB in
+# session 51), so gpu-bundle/ (22 MB) no longer fits; the scripts in gpu-bundle-slim/ unpack it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build-gpu}
@@ -48,3 +53,13 @@ git diff --quiet HEAD -- 2>/dev/null || printf ' + uncommitted changes' >>gpu-bu
 echo >>gpu-bundle/COMMIT
 ls -la gpu-bundle
 du -sh gpu-bundle
+if [[ ${SLIM:-0} == 1 ]]; then
+  slim=$(mktemp -d "${TMPDIR:-/tmp}/gpu-bundle-slim.XXXXXX")
+  files=(cachealloc_gpu_tests cachealloc_torch_tests libcachealloc_plugin.so libcachealloc_torch.so libcuda_call_timer.so)
+  for f in "${files[@]}" COMMIT; do cp -f "gpu-bundle/$f" "$slim/"; done
+  (cd "$slim" && strip --strip-unneeded "${files[@]}" && tar cJf gb.tar.xz "${files[@]}" COMMIT)
+  mkdir -p gpu-bundle-slim
+  cp -f "$slim/gb.tar.xz" gpu-bundle/COMMIT gpu-bundle-slim/
+  rm -rf "$slim"
+  ls -la gpu-bundle-slim/gb.tar.xz
+fi
