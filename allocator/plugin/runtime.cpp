@@ -4,10 +4,7 @@
 #include "log.h"
 #include "recording_backend.h"
 
-#include <cachealloc/cuda/async_backend.h>
-#include <cachealloc/cuda/event_thread.h>
 #include <cachealloc/cuda/factory.h>
-#include <cachealloc/cuda/vmm_backend.h>
 #include <cachealloc/errors.h>
 #include <cachealloc/policies/registry.h>
 #include <cachealloc/sim_backend.h>
@@ -179,17 +176,9 @@ FrontEndSettings validate_config(std::string_view text) {
   Config values = Config::parse(text);
   FrontEndSettings scratch;
   take_front_end(values, scratch);
+  check_cuda_backend_config(settings.backend_kind, values);  // the backend's keys, by value
   if (policy->backend == BackendNeed::stream_ordered) {
-    (void)CudaAsyncOptions::from_config(values);
     return settings;
-  }
-  if (settings.backend_kind == "virtual_memory") {
-    (void)CudaVmmOptions::from_config(values);  // its values are checked here, as async's above
-  } else {
-    (void)take_event_thread(values, EventThread::off);
-  }
-  for (std::string_view k : cuda_backend_config_keys(settings.backend_kind)) {
-    (void)values.take_string(k);
   }
   try {
     auto probe = make_allocator(settings.policy, std::make_unique<SimBackend>(SimOptions{}), values);

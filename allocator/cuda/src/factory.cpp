@@ -66,9 +66,34 @@ std::vector<std::string_view> cuda_backend_config_keys(std::string_view kind) {
   return {};
 }
 
+namespace {
+
+/// cuda_runtime's only key (it has no options struct): Note [Watching events by default on
+/// virtual memory] keeps it off there.
+EventThread runtime_event_thread(Config& config) { return take_event_thread(config, EventThread::off); }
+
+[[noreturn]] void throw_unknown_kind(std::string_view kind) {
+  throw ConfigError("unknown CUDA backend kind '" + std::string(kind) +
+                    "'; valid kinds: runtime, virtual_memory, stream_ordered");
+}
+
+}  // namespace
+
+void check_cuda_backend_config(std::string_view kind, Config& config) {
+  if (kind == "runtime") {
+    (void)runtime_event_thread(config);
+  } else if (kind == "virtual_memory") {
+    (void)CudaVmmOptions::from_config(config);
+  } else if (kind == "stream_ordered") {
+    (void)CudaAsyncOptions::from_config(config);
+  } else {
+    throw_unknown_kind(kind);
+  }
+}
+
 std::unique_ptr<DeviceBackend> make_cuda_backend(std::string_view kind, int device, Config& config) {
   if (kind == "runtime") {
-    return std::make_unique<CudaRuntimeBackend>(device, take_event_thread(config, EventThread::off));
+    return std::make_unique<CudaRuntimeBackend>(device, runtime_event_thread(config));
   }
   if (kind == "virtual_memory") {
     return std::make_unique<CudaVmmBackend>(device, CudaVmmOptions::from_config(config));
@@ -76,8 +101,7 @@ std::unique_ptr<DeviceBackend> make_cuda_backend(std::string_view kind, int devi
   if (kind == "stream_ordered") {
     return std::make_unique<CudaAsyncBackend>(device, CudaAsyncOptions::from_config(config));
   }
-  throw ConfigError("unknown CUDA backend kind '" + std::string(kind) +
-                    "'; valid kinds: runtime, virtual_memory, stream_ordered");
+  throw_unknown_kind(kind);
 }
 
 int cuda_device_count() noexcept {

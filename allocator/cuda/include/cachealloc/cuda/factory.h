@@ -24,6 +24,11 @@ namespace cachealloc {
 [[nodiscard]] std::unique_ptr<DeviceBackend> make_cuda_backend(std::string_view kind, int device,
                                                                Config& config);
 
+/// Takes the keys of the backend of `kind` from `config` and checks their values, as
+/// make_cuda_backend would, without a device (the plugin's validation). Throws ConfigError for an
+/// unknown kind or a bad value.
+void check_cuda_backend_config(std::string_view kind, Config& config);
+
 /// The CACHEALLOC_CONF keys the backend of `kind` takes (every kind: event_thread, event_thread.h).
 [[nodiscard]] std::vector<std::string_view> cuda_backend_config_keys(std::string_view kind);
 
