@@ -39,19 +39,19 @@
 // Note [The record thread watches its events]
 // With the records off the allocating thread, its event calls are the queries. On an H100
 // (bench/results/defrag_session50_2026-12-07.md) offload_train's allocating thread still spent
-// 600-760 us a step in event calls with the worker recording (710-950 with its own records):
-// about 550 queries a step, dearer than beside its own records (probably waiting for the driver's
-// lock while the worker records), so the thread saved 110-200 us of a step though it took
-// 410-1,430 us of records over. Given a QueryFn, the worker also watches the events it recorded:
-// after each pass over the queue, and every `poll` while any is watched, it asks each stream's
-// oldest watched event, then the next while they completed (events of one stream complete in
-// order: Note [One query per busy stream], allocator.h), and publishes the answer in the slot
-// (`watch`: the post's generation and kWatched or kDone). A caller's query of a watched slot reads that word and calls nothing: "not
-// yet" may be one poll late, which only delays a reuse. A slot recorded by a caller, or one the
-// worker gave up on (a failed query, no room in its list), is not watched: the caller asks the
-// device itself. Each submit bumps the slot's generation, so an answer about an earlier post of a
-// reused slot never stands for the current one (the worker checks the generation before it asks
-// and stores the answer under the generation it asked about).
+// 600-760 us a step in event calls with the worker recording (710-950 with its own records): about
+// 550 queries a step, dearer than beside its own records (probably waiting for the driver's lock
+// while the worker records), so the thread saved 110-200 us of a step though it took 410-1,430 us
+// of records over. Given a QueryFn, the worker also watches the events it recorded: after each pass
+// over the queue, and every `poll` while any is watched, it asks each stream's oldest watched
+// event, then the next while they completed (events of one stream complete in order: Note [One
+// query per busy stream], allocator.h), and publishes the answer in the slot (`watch`: the post's
+// generation and kWatched or kDone). A caller's query of a watched slot reads that word and calls
+// nothing: "not yet" may be one poll late, which only delays a reuse. A slot recorded by a caller,
+// or one the worker gave up on (a failed query, no room in its list), is not watched: the caller
+// asks the device itself. Each submit bumps the slot's generation, so an answer about an earlier
+// post of a reused slot never stands for the current one (the worker checks the generation before
+// it asks and stores the answer under the generation it asked about).
 // Captures: in the default global mode a cudaEventQuery on any thread invalidates a capture, so
 // pause_record_thread_polls() (the LibTorch adapter, when a capture begins) stops every worker's
 // queries and returns once none is in one; resume_record_thread_polls() (when the last capture
@@ -84,7 +84,8 @@ class RecordThread {
   /// One reusable record: `event` is the backend's event handle, fixed for the slot's life.
   struct Slot {
     enum : std::uint32_t { kIdle, kQueued, kClaimed, kRecorded, kFailed };
-    /// The worker's word on the current post's completion (Note [The record thread watches its events]).
+    /// The worker's word on the current post's completion (Note [The record thread watches its
+    /// events]).
     enum Watch : std::uint64_t { kUnwatched = 0, kWatched = 1, kDone = 2 };
     std::uintptr_t event = 0;
     StreamId stream = 0;  // written by the producer before the state becomes kQueued
@@ -126,9 +127,9 @@ class RecordThread {
   RecordThread& operator=(const RecordThread&) = delete;
 
   /// Queues `slot` (state kQueued, stream set) for the worker. One producer at a time; a slot
-  /// ever posted must outlive the RecordThread (a watching worker looks at it until it stops). Returns
-  /// false when the queue is full or no worker could be started: the caller then claims the slot
-  /// (record_now) itself.
+  /// ever posted must outlive the RecordThread (a watching worker looks at it until it stops).
+  /// Returns false when the queue is full or no worker could be started: the caller then claims
+  /// the slot (record_now) itself.
   [[nodiscard]] bool post(Slot& slot) noexcept;
   /// Marks `slot` queued on `stream` and posts it; records it on this thread when post() fails.
   void submit(Slot& slot, StreamId stream) noexcept;
