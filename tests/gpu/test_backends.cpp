@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <limits>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -85,7 +86,10 @@ TEST_CASE("factory and device queries", "[gpu][factory]") {
   CHECK(make_cuda_backend("virtual_memory", test_device(), config)->name() == "cuda_vmm");
   CHECK(make_cuda_backend("stream_ordered", test_device(), config)->name() == "cuda_async");
   CHECK(cuda_backend_config_keys("stream_ordered") == CudaAsyncBackend::config_keys());
-  CHECK(cuda_backend_config_keys("runtime").empty());
+  // cuda_runtime has one key, event_thread (Note [Watching events by default on virtual memory]).
+  CHECK(cuda_backend_config_keys("runtime") == std::vector<std::string_view>{"event_thread"});
+  CHECK(cuda_backend_config_keys("virtual_memory") == CudaVmmBackend::config_keys());
+  CHECK(cuda_backend_config_keys("bogus").empty());
   CHECK_THROWS_AS(make_cuda_backend("runtime", cuda_device_count(), config), DeviceError);
 }
 
