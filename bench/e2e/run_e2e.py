@@ -151,6 +151,7 @@ import argparse
 import bisect
 import datetime as _dt
 import json
+import lzma
 import math
 import os
 import re
@@ -1603,22 +1604,28 @@ def shrink_steps(results: list[dict[str, Any]], steps: dict[str, tuple[int, int]
 
 
 def report_from(json_path: Path) -> int:
-    """Regenerates the Markdown of a results .json (also of the older format, without counters)."""
+    """Regenerates the Markdown of a results .json (also of the older format, without counters),
+    or of one compressed with xz (.json.xz, as bench/results keeps them): the .md goes beside it."""
     try:
-        data = json.loads(json_path.read_text())
+        if json_path.name.endswith(".xz"):
+            data = json.loads(lzma.decompress(json_path.read_bytes()).decode("utf-8"))
+        else:
+            data = json.loads(json_path.read_text())
         saved = argparse.Namespace(**data["args"])
         if not isinstance(data.get("runs"), list) or not isinstance(data.get("meta"), dict):
             raise KeyError("runs or meta")
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, EOFError, lzma.LZMAError) as e:
         print(f"run_e2e: --report-from {json_path}: cannot read it as a run_e2e results file "
-              f"({type(e).__name__}: {e}); pass the .json written next to an e2e_*.md", file=sys.stderr)
+              f"({type(e).__name__}: {e}); pass the .json (or .json.xz) written next to an e2e_*.md",
+              file=sys.stderr)
         return 2
     meta = dict(data["meta"])
     meta.setdefault("steps", {})
     runs = data["runs"]
     workloads = list(dict.fromkeys(r["workload"] for r in runs))
     configs = list(dict.fromkeys(r["config"] for r in runs))
-    md = json_path.with_suffix(".md")
+    stem = json_path.name.removesuffix(".xz").removesuffix(".json")
+    md = json_path.with_name(stem + ".md")
     md.write_text(markdown(saved, summarize(runs, workloads, configs), meta))
     print(f"run_e2e: wrote {md}")
     return 0
@@ -1657,7 +1664,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--tag", default="", help="suffix for the result file names")
     p.add_argument("--dry-run", action="store_true", help="print the run plan and exit")
     p.add_argument("--report-from", metavar="JSON",
-                   help="rewrite the Markdown report of an earlier run's .json (next to it, .md) and exit")
+                   help="rewrite the Markdown report of an earlier run's .json or .json.xz (next to it, .md) and exit")
     # internal modes
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)

@@ -717,6 +717,33 @@ def test_e2e_report_shows_how_allocator_time_spreads_over_steps(tmp_path):
             "(1.00% of the median step; per run 1.00%)") in md, md
 
 
+def test_e2e_report_reads_xz_compressed_results(tmp_path):
+    """--report-from takes a results file compressed with xz (bench/results keeps them so): the
+    same Markdown as from the plain .json, written beside it as <stem>.md; a file that is not xz
+    gets the clear error and exit code 2."""
+    import lzma
+
+    runner = _need_e2e_runner()
+    run = {"workload": "pipeline", "config": "cachealloc:defrag", "rep": 0, "steps": 4, "warmup": 1, "ok": True,
+           "median_step_s": 0.01, "peak_bytes": 3 << 30, "allocator_reserved_peak": 2 << 30,
+           "allocator_ns_per_step": 100_000.0, "allocator_pct_of_step": 1.0, "device_calls_per_step": 0.0,
+           "allocs_per_step": 50.0, "allocator_ns_steps": [100_000] * 4, "device_calls_steps": [0] * 4}
+    plain = _e2e_report(tmp_path, [run], [1, 4])
+    packed = tmp_path / "packed" / "r.json.xz"
+    packed.parent.mkdir()
+    packed.write_bytes(lzma.compress((tmp_path / "r.json").read_bytes()))
+    r = subprocess.run([sys.executable, str(runner), "--report-from", str(packed)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert (packed.parent / "r.md").read_text() == plain
+    bad = tmp_path / "bad.json.xz"
+    bad.write_bytes(b"not xz")
+    r = subprocess.run([sys.executable, str(runner), "--report-from", str(bad)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "cannot read it as a run_e2e results file" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_e2e_report_shows_time_waiting_for_parked_frees(tmp_path):
     """--report-from: a run with wait_parked_to_grow reports the time it waited for parked frees
     and the allocator's share of the step without it."""
