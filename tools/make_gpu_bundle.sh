@@ -15,8 +15,10 @@
 #
 # SLIM=1 also packs what the e2e and suite scripts need (the GPU tests, the LibTorch adapter and
 # its tests, the plugin, the call timer), stripped, into gpu-bundle-slim/gb.tar.xz (about 1.4 MB)
-# with COMMIT beside it: a device call carries at most 64 MiB with the tracked tree (58 MiB in
-# session 51), so gpu-bundle/ (22 MB) no longer fits; the scripts in gpu-bundle-slim/ unpack it.
+# with COMMIT beside it; the scripts in gpu-bundle-slim/ unpack it. A device call carries at most
+# 64 MiB with the tracked tree: in session 51 (58 MiB) gpu-bundle/ (22 MB) no longer fitted; since
+# session 52 bench/results keeps its JSON compressed (tree 24 MB), but the slim bundle stays the
+# cheaper one to carry.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build-gpu}
