@@ -108,6 +108,9 @@ TEST_CASE("factory: every backend kind reads exactly the keys it lists", "[facto
   }
   Config none;
   CHECK_THROWS_AS(check_cuda_backend_config("bogus", none), ConfigError);
+  CHECK_THROWS_WITH(check_cuda_backend_config("bogus", none),
+                    Catch::Contains("unknown CUDA backend kind 'bogus'; valid kinds: runtime, virtual_memory, "
+                                    "stream_ordered"));
   CHECK(cuda_backend_config_keys("bogus").empty());
 }
 

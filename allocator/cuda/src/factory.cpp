@@ -73,8 +73,12 @@ namespace {
 EventThread runtime_event_thread(Config& config) { return take_event_thread(config, EventThread::off); }
 
 [[noreturn]] void throw_unknown_kind(std::string_view kind) {
-  throw ConfigError("unknown CUDA backend kind '" + std::string(kind) +
-                    "'; valid kinds: runtime, virtual_memory, stream_ordered");
+  std::string valid;
+  for (std::string_view k : cuda_backend_kinds()) {
+    valid += valid.empty() ? "" : ", ";
+    valid += k;
+  }
+  throw ConfigError("unknown CUDA backend kind '" + std::string(kind) + "'; valid kinds: " + valid);
 }
 
 }  // namespace
