@@ -359,14 +359,14 @@ inline constexpr std::size_t kMaxRequestBytes = std::size_t{1} << 48;
 #endif
 
 template <Policy P>
-class CachingAllocator final : public DeviceAllocator {
-  static constexpr std::uint32_t kDefaultPollInterval = 1;
+class alignas(64) CachingAllocator final : public DeviceAllocator {
+  static constexpr std::uint16_t kDefaultPollInterval = 1;
  public:
   /// Takes ownership of `backend`; the policy takes its keys from `config`.
   CachingAllocator(std::unique_ptr<DeviceBackend> backend, Config& config)
       : backend_(std::move(backend)), policy_(*backend_, config) {
     if (auto v = config.take_int("event_poll_interval", 1, 1024)) {  // Note [Polling parked frees]
-      poll_interval_ = static_cast<std::uint32_t>(*v);
+      poll_interval_ = static_cast<std::uint16_t>(*v);
     }
     if (auto v = config.take_bool("share_events")) {  // Note [Events shared by a burst of parked frees]
       share_events_ = *v;
@@ -1898,25 +1898,55 @@ class CachingAllocator final : public DeviceAllocator {
 
   // Note [Hot fields first]: inside a training step every allocator call finds the CPU caches
   // cold (kernel launches and autograd ran in between), so what one call touches should sit on
-  // few cache lines: the lock, the map's header, the tallies, the observer, in that order, then
-  // the backend and the policy, and the cold statistics last.
+  // few cache lines. The class is line aligned, so the lines are fixed:
+  //   line 0   the vptr, the lock, every flag and count an allocation or a free tests first, and
+  //            the reserved bytes last seen (sync_reserved);
+  //   line 1   the pointer map's header and the observer;
+  //   line 2-3 the backend and the policy (defrag's is a pointer), the tallies and the completed
+  //            frees' counts;
+  //   then the cold state (checked with gdb's `ptype /o` for policy defrag, session 53).
+  // As the fields had accumulated (session 53, cachegrind, cachealloc-cold-replay on the e2e
+  // pipeline recording, 4 MiB evicted before each call), a pair's front end missed on about 12
+  // of this object's lines: deferred_count_, unrecorded_, parked_count_, reused_count_, the
+  // observer and the tallies each sat on a line of their own.
   mutable SpinMutex mutex_;  // Note [The front end's lock], spin_mutex.h
-  // Note [The step memo]: non-null while the memo serves calls: the call expected next.
-  const MemoOp* memo_next_ = nullptr;
-  const MemoOp* memo_end_ = nullptr;
-  std::uint64_t memo_served_ = 0;  // calls served since the last memo_sync()
-  std::uint32_t poll_interval_ = kDefaultPollInterval;  // Note [Polling parked frees]
   // Note [Learning only while placement can repeat]: the learner watches calls (a hot flag: the
   // cold memo_enabled_ below is for the statistics and the settings).
   bool memo_learning_ = false;
-  // Note [Frees handed over at the next allocation]
-  bool defer_frees_ = false;
-  std::size_t deferred_count_ = 0;
+  bool defer_frees_ = false;  // Note [Frees handed over at the next allocation]
+  // Note [Reusing a parked free on the stream it waits for]
+  bool reuse_parked_ = true;                  // CACHEALLOC_CONF reuse_parked
+  // Note [Polling parked frees]: 1-1024, and the count never passes it (poll_pending resets it).
+  std::uint16_t poll_interval_ = kDefaultPollInterval;
+  std::uint16_t allocs_since_poll_ = 0;
+  // Note [The step memo]: non-null while the memo serves calls: the call expected next.
+  const MemoOp* memo_next_ = nullptr;
+  std::size_t deferred_count_ = 0;  // Note [Frees handed over at the next allocation]
+  std::size_t unrecorded_ = 0;      // the newest parked frees, events not yet recorded
+  std::int64_t parked_count_ = 0;   // in pending_
+  std::size_t reused_count_ = 0;    // entries of pending_ reused, not yet gone
+  // The policy's reserved bytes when stats_ last took them; mutable, as stats_: a lazily read
+  // policy (refresh_reserved) brings both up to date from the const stats().
+  mutable std::size_t reserved_seen_ = 0;
+  // line 1
+  alignas(64) PointerMap<Entry> map_;
+  AllocatorObserver observer_;
+  // lines 2-3: the policy after the backend it is built on (defrag's policy is a pointer).
+  alignas(64) std::unique_ptr<DeviceBackend> backend_;
+  P policy_;
+  Tally allocated_;
+  Tally requested_;
+  Tally allocation_;
+  std::int64_t active_freed_bytes_ = 0;  // completed frees since the last reset_accumulated
+  std::int64_t active_freed_count_ = 0;
+  // The cold state; the deferred frees too, off by default (Note [Frees handed over at the next
+  // allocation]).
   std::uint64_t deferred_total_ = 0;  // frees deferred so far (stats: front.deferred_frees)
   std::array<DeferredFree, kDeferredFrees> deferred_{};
+  bool reuse_waits_ = true;  // CACHEALLOC_CONF reuse_parked_waits (the same Note as reuse_parked_)
+  const MemoOp* memo_end_ = nullptr;
+  std::uint64_t memo_served_ = 0;  // calls served since the last memo_sync()
   double wait_parked_ratio_ = -1;  // < 0: off (Note [Waiting for frees in flight instead of growing])
-  std::uint32_t allocs_since_poll_ = 0;
-  PointerMap<Entry> map_;
   std::vector<Parked> pending_;
   // Note [Parked frees by stream]; a list: its queues' entries hold iterators into `sizes`, which
   // a vector's growth would copy (a deque's move may throw, so the vector copies).
@@ -1926,29 +1956,12 @@ class CachingAllocator final : public DeviceAllocator {
   bool waits_stale_ = false;   // waits_ lacks events (some could not be recorded): rebuild them
   // Note [Events shared by a burst of parked frees]
   bool share_events_ = true;                  // CACHEALLOC_CONF share_events
-  // Note [Reusing a parked free on the stream it waits for]
-  bool reuse_parked_ = true;                  // CACHEALLOC_CONF reuse_parked
-  bool reuse_waits_ = true;                   // CACHEALLOC_CONF reuse_parked_waits
-  std::size_t reused_count_ = 0;              // entries of pending_ reused, not yet gone
-  std::size_t unrecorded_ = 0;               // the newest parked frees, events not yet recorded
   std::vector<SharedEvent> shared_events_;   // events held by more than one parked free
   EventId known_done_ = 0;                   // the last event seen complete, still alive
-  Tally allocated_;
-  Tally requested_;
-  Tally allocation_;
   std::int64_t parked_bytes_ = 0;  // in pending_
-  std::int64_t parked_count_ = 0;
   std::int64_t active_peak_bytes_ = 0;  // highest allocated + parked seen while parked > 0
   std::int64_t active_peak_count_ = 0;
-  std::int64_t active_freed_bytes_ = 0;  // completed frees since the last reset_accumulated
-  std::int64_t active_freed_count_ = 0;
-  // The policy's reserved bytes when stats_ last took them; mutable, as stats_: a lazily read
-  // policy (refresh_reserved) brings both up to date from the const stats().
-  mutable std::size_t reserved_seen_ = 0;
-  AllocatorObserver observer_;
-  std::unique_ptr<DeviceBackend> backend_;
-  P policy_;
-  mutable Stats stats_;  // the cold figures; the five above come from snapshot()
+  mutable Stats stats_;  // the cold figures; the tallies above come from snapshot()
   double fraction_ = 1.0;
   // The step memo's cold state (Note [The step memo]).
   bool memo_enabled_ = false;
