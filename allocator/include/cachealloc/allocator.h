@@ -1905,10 +1905,16 @@ class alignas(64) CachingAllocator final : public DeviceAllocator {
   //   line 2-3 the backend and the policy (defrag's is a pointer), the tallies and the completed
   //            frees' counts;
   //   then the cold state (checked with gdb's `ptype /o` for policy defrag, session 53).
-  // As the fields had accumulated (session 53, cachegrind, cachealloc-cold-replay on the e2e
-  // pipeline recording, 4 MiB evicted before each call), a pair's front end missed on about 12
-  // of this object's lines: deferred_count_, unrecorded_, parked_count_, reused_count_, the
-  // observer and the tallies each sat on a line of their own.
+  // As the fields had accumulated, a pair's front end missed on about 12 of this object's lines
+  // (deferred_count_, unrecorded_, parked_count_, reused_count_, the observer and the tallies
+  // each sat on a line of their own). Session 53 packed them as above: cachegrind
+  // (cachealloc-cold-replay on the e2e pipeline recording, 4 MiB evicted before each call)
+  // counts about 10 fewer L1d misses per pair and the same code misses. On an H100 host it was
+  // not measurable: the pipeline's steps without a device call spent 45.1 and 52.9 us in the
+  // allocator against 49.9 and 50.8 with the previous layout, two calls of 3 runs a side over
+  // 3,000 steps (bench/results/defrag_session53_2026-12-07.md): there these lines come from L2.
+  // Kept as the documented order; aligning the pointer map's 64-byte slots to lines did not
+  // lower the misses in the same cachegrind run and was not kept.
   mutable SpinMutex mutex_;  // Note [The front end's lock], spin_mutex.h
   // Note [Learning only while placement can repeat]: the learner watches calls (a hot flag: the
   // cold memo_enabled_ below is for the statistics and the settings).
