@@ -1907,9 +1907,10 @@ class alignas(64) CachingAllocator final : public DeviceAllocator {
   //   then the cold state (checked with gdb's `ptype /o` for policy defrag, session 53).
   // As the fields had accumulated, a pair's front end missed on about 12 of this object's lines
   // (deferred_count_, unrecorded_, parked_count_, reused_count_, the observer and the tallies
-  // each sat on a line of their own). Session 53 packed them as above: cachegrind
-  // (cachealloc-cold-replay on the e2e pipeline recording, 4 MiB evicted before each call)
-  // counts about 10 fewer L1d misses per pair and the same code misses. On an H100 host it was
+  // each sat on a line of their own). Session 53 packed them as above: bench/micro/cache_lines.py
+  // (callgrind's cache model, one measured pass of cachealloc-cold-replay on the e2e pipeline
+  // recording) counts 176.6 -> 170.3 lines missed per defrag pair: 68.7 -> 58.5 of data, 107.8
+  // -> 111.9 of code (the code moved). On an H100 host it was
   // not measurable: the pipeline's steps without a device call spent 45.1 and 52.9 us in the
   // allocator against 49.9 and 50.8 with the previous layout, two calls of 3 runs a side over
   // 3,000 steps (bench/results/defrag_session53_2026-12-07.md): there these lines come from L2.
