@@ -1913,10 +1913,11 @@ class alignas(64) CachingAllocator final : public DeviceAllocator {
   // -> 111.9 of code (the code moved). On an H100 host it was
   // not measurable: the pipeline's steps without a device call spent 45.1 and 52.9 us in the
   // allocator against 49.9 and 50.8 with the previous layout, two calls of 3 runs a side over
-  // 3,000 steps (bench/results/defrag_session53_2026-12-07.md): there these lines come from L2.
+  // 3,000 steps (bench/results/defrag_session53_2026-12-07.md); there the lines most likely come
+  // from L2, where ten of them are worth about 0.05 us.
   // Kept as the documented order; aligning the pointer map's 64-byte slots to lines did not
   // lower the misses in the same cachegrind run and was not kept.
-  // The code's lines count as much (two thirds of a defrag pair's 170). The branches for an
+  // Code lines count too: two thirds of a defrag pair's 170. The branches for an
   // observer and for deferred frees (both off unless asked for) are marked [[unlikely]], so the
   // compiler moves them out of the common path: 55.9 -> 53.0 code lines missed per defrag call
   // (cache_lines.py, same recording; the native model's moved 49.5 -> 50.1, the layout's noise).
