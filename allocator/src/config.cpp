@@ -271,19 +271,23 @@ std::optional<std::vector<std::pair<std::string, std::string>>> Config::take_lis
   return out;
 }
 
+std::string join_names(const std::vector<std::string_view>& names) {
+  std::string out;
+  for (std::string_view n : names) {
+    out += out.empty() ? "" : ", ";
+    out += n;
+  }
+  return out;
+}
+
 void Config::finish(std::string_view context,
                     const std::vector<std::string_view>& valid_keys) const {
   for (std::size_t i = 0; i < entries_.size(); ++i) {
     if (used_[i]) {
       continue;
     }
-    std::string valid;
-    for (std::string_view k : valid_keys) {
-      valid += valid.empty() ? "" : ", ";
-      valid += k;
-    }
     throw ConfigError("CACHEALLOC_CONF: unknown key " + shown(entries_[i].first) + " for " +
-                      std::string(context) + "; valid keys: " + valid +
+                      std::string(context) + "; valid keys: " + join_names(valid_keys) +
                       " (see README.md, section Configuration)");
   }
 }

@@ -1,4 +1,5 @@
 // factory.cpp: the CUDA backends by name, and device queries (see factory.h).
+#include <cachealloc/config.h>
 #include <cachealloc/cuda/async_backend.h>
 #include <cachealloc/cuda/event_thread.h>
 #include <cachealloc/cuda/factory.h>
@@ -73,12 +74,8 @@ namespace {
 EventThread runtime_event_thread(Config& config) { return take_event_thread(config, EventThread::off); }
 
 [[noreturn]] void throw_unknown_kind(std::string_view kind) {
-  std::string valid;
-  for (std::string_view k : cuda_backend_kinds()) {
-    valid += valid.empty() ? "" : ", ";
-    valid += k;
-  }
-  throw ConfigError("unknown CUDA backend kind '" + std::string(kind) + "'; valid kinds: " + valid);
+  throw ConfigError("unknown CUDA backend kind '" + std::string(kind) +
+                    "'; valid kinds: " + join_names(cuda_backend_kinds()));
 }
 
 }  // namespace

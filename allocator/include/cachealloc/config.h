@@ -22,6 +22,9 @@ namespace cachealloc {
 /// of Config::take_double and the command-line options that take numbers.
 [[nodiscard]] std::optional<double> parse_finite_double(std::string_view text);
 
+/// `names` as "a, b, c": the list of valid names an error message gives (valid keys, kinds).
+[[nodiscard]] std::string join_names(const std::vector<std::string_view>& names);
+
 class Config {
  public:
   Config() = default;
