@@ -18,6 +18,7 @@
 #include "runtime.h"
 
 #include <cachealloc/errors.h>
+#include <cachealloc/hot_pages.h>
 #include <cachealloc/policies/registry.h>
 
 #include <cstdint>
@@ -228,6 +229,29 @@ extern "C" int64_t cachealloc_policy_report_json(int device, char* buf, size_t l
     Runtime& rt = Runtime::get();
     const cachealloc::DeviceAllocator* a = rt.allocator_if_created(device < 0 ? 0 : device);
     return copy_out(a != nullptr ? a->policy_report_json() : std::string("{}"), buf, len);
+  } catch (...) {
+    remember_current_exception();
+    return -1;
+  }
+}
+
+// Note [Bookkeeping on few pages] (hot_pages.h): the regions the allocator's bookkeeping lives on,
+// and how much of them the kernel backs with huge pages (read from /proc/self/smaps: a
+// diagnostic, too slow for memory_stats).
+extern "C" int64_t cachealloc_hot_pages_json(char* buf, size_t len) {
+  try {
+    const cachealloc::hot::Usage u = cachealloc::hot::usage();
+    std::string json = "{\"mode\": ";
+    append_json_string(json, cachealloc::hot::mode_name(u.mode));
+    json += ", \"regions\": " + std::to_string(u.regions);
+    json += ", \"region_bytes\": " + std::to_string(cachealloc::hot::kRegionBytes);
+    json += ", \"bytes_in_use\": " + std::to_string(u.bytes_in_use);
+    json += ", \"bytes_carved\": " + std::to_string(u.bytes_carved);
+    json += ", \"fallback_allocations\": " + std::to_string(u.fallback_allocations);
+    json += ", \"huge_bytes\": ";
+    json += u.huge_bytes_known ? std::to_string(u.huge_bytes) : std::string("null");
+    json += "}";
+    return copy_out(json, buf, len);
   } catch (...) {
     remember_current_exception();
     return -1;

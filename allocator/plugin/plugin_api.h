@@ -68,6 +68,11 @@ CACHEALLOC_EXPORT int64_t cachealloc_memory_stats_json(int device, char* buf, si
  *  gives {"slack_history": [...], "slack_history_dropped": n} (Note [A history of the slack]);
  *  other policies, or a device not used yet, "{}". Buffer and return value as above. */
 CACHEALLOC_EXPORT int64_t cachealloc_policy_report_json(int device, char* buf, size_t len);
+/** The regions holding the allocator's bookkeeping (Note [Bookkeeping on few pages],
+ *  hot_pages.h) as {"mode", "regions", "region_bytes", "bytes_in_use", "bytes_carved",
+ *  "fallback_allocations", "huge_bytes"} (huge_bytes from /proc/self/smaps, null where it cannot
+ *  be read: milliseconds, a diagnostic). Buffer and return value as above. */
+CACHEALLOC_EXPORT int64_t cachealloc_hot_pages_json(char* buf, size_t len);
 /** Registered policies as a JSON list of {name, summary, backend, replay_only, config_keys}. */
 CACHEALLOC_EXPORT int64_t cachealloc_policies_json(char* buf, size_t len);
 /** Peak statistics := current ones, for `device` (< 0: every device). 0 or -1. */

@@ -135,6 +135,20 @@ int main() {
   SMOKE_CHECK(stat(json, "allocated_bytes.all.peak") >= static_cast<long long>(3 * kMiB));
   SMOKE_CHECK(stat(json, "allocator_ns") > 0);
   SMOKE_CHECK(cachealloc_allocator_ns(0) > 0);
+  {
+    // Note [Bookkeeping on few pages]: the front end made above lives on a region (unless
+    // CACHEALLOC_HOT_PAGES=off), and the diagnostic says so.
+    std::vector<char> hp(512);
+    const std::int64_t n = cachealloc_hot_pages_json(hp.data(), hp.size());
+    SMOKE_CHECK(n > 0 && n < static_cast<std::int64_t>(hp.size()));
+    const std::string text(hp.data(), n > 0 ? static_cast<std::size_t>(n) : 0);
+    const char* mode = std::getenv("CACHEALLOC_HOT_PAGES");
+    if (mode == nullptr || std::string(mode) != "off") {
+      SMOKE_CHECK(stat(text, "regions") >= 1);
+      SMOKE_CHECK(stat(text, "bytes_in_use") > 0);
+    }
+    SMOKE_CHECK(text.find("\"huge_bytes\": ") != std::string::npos);
+  }
 
   // A foreign pointer or a double free is logged and ignored.
   int on_stack = 0;

@@ -689,6 +689,13 @@ def run_workload(spec: dict[str, Any]) -> dict[str, Any]:
                         result["defrag_budget_windows"] = report.get("windows", [])
                     except Exception as e:  # a diagnostic: the run stands without it
                         result["defrag_slack_history_error"] = f"{type(e).__name__}: {e}"
+            if kind == "plugin":
+                # Note [Bookkeeping on few pages] (hot_pages.h): whether the kernel gave the
+                # allocator's bookkeeping huge pages in this run.
+                try:
+                    result["hot_pages"] = cachealloc.hot_pages()
+                except Exception as e:  # a diagnostic (an older plugin lacks it)
+                    result["hot_pages_error"] = f"{type(e).__name__}: {e}"
             if "allocator_ns" in delta and kind in ("plugin", "full"):
                 result["allocator_ns_per_step"] = delta["allocator_ns"] / steps
                 result["allocator_pct_of_step"] = 100.0 * delta["allocator_ns"] / steps / (median_step * 1e9)
@@ -1206,6 +1213,8 @@ def summarize(results: list[dict[str, Any]], workloads: list[str], configs: list
                 # Per run: the measured steps that made no device call (cachealloc), how many,
                 # and their median allocator time: the allocator's floor on this workload.
                 "quiet_steps": [q for r in ok if (q := _quiet_steps(r))],
+                # Per run: where the allocator's bookkeeping lived (Note [Bookkeeping on few pages]).
+                "hot_pages": [r["hot_pages"] for r in ok if r.get("hot_pages")],
                 # Per run (policy defrag): how its time budget ended (Note [Waits that switch to
                 # moving pending]): the run-to-run spread of its peak often comes from there.
                 "defrag_runs": [d for r in ok if (d := _defrag_run(r))],
@@ -1446,6 +1455,17 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any], meta: dict[str, 
                    f"({d.get('parked_reuse_bytes', 0) / 2**20:,.0f} MiB; {d.get('parked_reuse_waits', 0):,.1f} of them "
                    "made that stream wait for another's event)" if d.get("parked_reuses") else "")
                 for cfg, r in event_rows for d in [r["counters_delta_per_step"]]]
+        hot_rows = [(cfg, r["hot_pages"]) for cfg, r in rows.items() if r.get("hot_pages")]
+        if hot_rows:
+            # Note [Bookkeeping on few pages] (hot_pages.h): whether the kernel backed the regions
+            # holding the allocator's bookkeeping with huge pages, per run.
+            lines += [""] + [
+                f"- {cfg}'s bookkeeping (CACHEALLOC_HOT_PAGES={hp[0]['mode']}): per run "
+                + ", ".join(f"{h['regions']} region{'s' if h['regions'] != 1 else ''}, "
+                            + (f"{h['huge_bytes'] / 2**20:.0f} MiB on huge pages" if h.get("huge_bytes") is not None
+                               else "huge pages unknown")
+                            for h in hp)
+                for cfg, hp in hot_rows]
         call_lines = [line for cfg, r in rows.items()
                       if (line := device_call_line(cfg, r.get("counters_delta_per_step", {})))]
         if call_lines:

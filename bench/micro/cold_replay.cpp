@@ -31,7 +31,12 @@
 //      straight-line code (pushes the allocator's code out of a 32 KiB L1i; x86-64 only) and
 //      touches the 4 KiB of stack below the loop's frame (PyTorch's caller runs on the same
 //      stack, so those lines are warm in a real step). With --evict 0 nothing runs between
-//      calls: the hot cost.
+//      calls: the hot cost. --evict-pages B also touches one word in each 4 KiB page of B bytes
+//      of other memory and jumps once through each 4 KiB page of as many bytes of generated
+//      code, both kept out of transparent huge pages: that evicts the data and instruction TLBs
+//      as well, as the megabytes of Python, dispatcher and driver code between two allocator
+//      calls do in a real step, so that the page walks of a cold call are part of its cost
+//      (Note [TLB eviction]).
 //   4. Each call is timed alone: rdtsc between lfences on x86-64 (steady_clock elsewhere),
 //      minus the smallest cost of an empty measurement; ticks become ns through a calibration
 //      against steady_clock over the whole run.
@@ -43,6 +48,7 @@
 #include "replay.h"
 
 #include <cachealloc/errors.h>
+#include <cachealloc/hot_pages.h>
 #include <cachealloc/policies/registry.h>
 #include <cachealloc/sim_backend.h>
 #include <cachealloc/trace/snapshot.h>
@@ -50,6 +56,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 #if defined(__x86_64__)
@@ -61,6 +68,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -355,19 +363,115 @@ constexpr bool kHaveIcacheFlush = false;
   }
 }
 
+// Note [TLB eviction]
+// The line eviction above leaves the TLBs mostly warm: 4 MiB of stores touch 1,024 pages and the
+// L1i flush 16, while the second-level TLB of a current x86 core holds 1,536-3,072 entries. In a
+// training step the code between two allocator calls spans megabytes, so a cold call also pays a
+// page walk for most of the pages it touches (on a virtual machine a two-dimensional one). With
+// --evict-pages B, before every measured call one word of each 4 KiB page of a B-byte buffer is
+// written and a chain of jumps, one per 4 KiB page of a B-byte executable mapping, is run. Both
+// mappings are madvise(MADV_NOHUGEPAGE): in huge pages they would take a few TLB entries and
+// evict nothing. Where an executable anonymous mapping is refused, only data pages are touched
+// and the header says so.
+class PageToucher {
+ public:
+  PageToucher() = default;
+  PageToucher(const PageToucher&) = delete;
+  PageToucher& operator=(const PageToucher&) = delete;
+  ~PageToucher() {
+    if (data_ != nullptr) {
+      munmap(data_, bytes_);
+    }
+    if (code_ != nullptr) {
+      munmap(code_, bytes_);
+    }
+  }
+
+  /// Maps `bytes` (a multiple of 4 KiB, at least one page) of data and of code; false and a
+  /// reason where the data mapping fails.
+  bool map(std::size_t bytes, std::string& why) {
+    bytes_ = bytes;
+    pages_ = bytes / kPage;
+    void* d = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (d == MAP_FAILED) {
+      why = "mmap of " + std::to_string(bytes) + " bytes for --evict-pages failed";
+      return false;
+    }
+    data_ = static_cast<unsigned char*>(d);
+#if defined(MADV_NOHUGEPAGE)
+    madvise(data_, bytes, MADV_NOHUGEPAGE);
+#endif
+    for (std::size_t p = 0; p < pages_; ++p) {
+      data_[p * kPage] = 1;  // fault every page in now, not in the first measured call
+    }
+#if defined(__x86_64__)
+    void* c = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (c == MAP_FAILED) {
+      why = "no executable mapping (mmap failed): data pages only";
+      return true;
+    }
+    auto* code = static_cast<unsigned char*>(c);
+#if defined(MADV_NOHUGEPAGE)
+    madvise(code, bytes, MADV_NOHUGEPAGE);
+#endif
+    for (std::size_t p = 0; p + 1 < pages_; ++p) {  // jmp rel32 to the start of the next page
+      unsigned char* at = code + p * kPage;
+      const auto rel = static_cast<std::int32_t>(kPage - 5);
+      at[0] = 0xE9;
+      std::memcpy(at + 1, &rel, sizeof rel);
+    }
+    code[(pages_ - 1) * kPage] = 0xC3;  // ret
+    if (mprotect(code, bytes, PROT_READ | PROT_EXEC) != 0) {
+      munmap(code, bytes);
+      why = "no executable mapping (mprotect PROT_EXEC refused): data pages only";
+      return true;
+    }
+    code_ = code;
+#else
+    why = "no generated code on this architecture: data pages only";
+#endif
+    return true;
+  }
+
+  [[nodiscard]] bool active() const noexcept { return pages_ != 0; }
+  [[nodiscard]] bool code() const noexcept { return code_ != nullptr; }
+
+  [[gnu::noinline]] void run() noexcept {
+    for (std::size_t p = 0; p < pages_; ++p) {
+      data_[p * kPage] += 1;
+    }
+    asm volatile("" ::: "memory");
+    if (code_ != nullptr) {
+      reinterpret_cast<void (*)()>(code_)();
+    }
+  }
+
+  static constexpr std::size_t kPage = 4096;
+
+ private:
+  unsigned char* data_ = nullptr;
+  unsigned char* code_ = nullptr;
+  std::size_t bytes_ = 0;
+  std::size_t pages_ = 0;
+};
+
 class Evictor {
  public:
-  Evictor(std::size_t max_bytes, bool icache_flush)
+  Evictor(std::size_t max_bytes, bool icache_flush, PageToucher& pages)
       : words_(std::max<std::size_t>(max_bytes / sizeof(std::uint64_t), 1), 0),
-        icache_flush_(icache_flush && kHaveIcacheFlush) {}
+        icache_flush_(icache_flush && kHaveIcacheFlush),
+        pages_(pages) {}
 
   void set_bytes(std::size_t bytes) noexcept { lines_ = bytes / kLineBytes; }
   [[nodiscard]] bool active() const noexcept { return lines_ != 0; }
   [[nodiscard]] bool icache_flush() const noexcept { return icache_flush_; }
 
-  /// Untimed, before a measured call: one store per line of the evict window, the L1i flush,
-  /// the stack re-warmed.
+  /// Untimed, before a measured call: the TLB eviction (--evict-pages), one store per line of
+  /// the evict window, the L1i flush, the stack re-warmed.
   [[gnu::noinline]] void run() noexcept {
+    if (pages_.active()) {
+      pages_.run();
+    }
     std::uint64_t* word = words_.data();
     constexpr std::size_t stride = kLineBytes / sizeof(std::uint64_t);
     for (std::size_t i = 0; i < lines_; ++i) {
@@ -386,6 +490,7 @@ class Evictor {
   std::vector<std::uint64_t> words_;
   std::size_t lines_ = 0;
   bool icache_flush_;
+  PageToucher& pages_;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -472,6 +577,21 @@ double median(std::vector<double> v) {
 
 double minimum(const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); }
 
+/// The bracketed choice of /sys/kernel/mm/transparent_hugepage/enabled ("always", "madvise",
+/// "never"), or "unknown".
+std::string thp_mode() {
+  std::string text;
+  if (std::ifstream in("/sys/kernel/mm/transparent_hugepage/enabled"); in) {
+    std::getline(in, text);
+  }
+  const auto open = text.find('[');
+  const auto close = text.find(']', open);
+  if (open == std::string::npos || close == std::string::npos) {
+    return "unknown";
+  }
+  return text.substr(open + 1, close - open - 1);
+}
+
 /// "AMD EPYC 7B13 (L1d 32K, L1i 32K, L2 1024K, L3 32768K), 2 CPUs" from /proc and /sys, as far
 /// as they are readable.
 std::string describe_cpu() {
@@ -549,6 +669,7 @@ int main(int argc, char** argv) {
   int passes = 3;
   int repeat = 3;
   bool no_iflush = false;
+  std::string evict_pages_text = "0";
   std::string json_path;
   bool quiet = false;
   auto* trace_opt = app.add_option(
@@ -589,6 +710,12 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 1000));
   app.add_flag("--no-iflush", no_iflush,
                "do not run the 64 KiB of code (the L1i flush) before each call; only data is evicted");
+  app.add_option("--evict-pages", evict_pages_text,
+                 "with every evict size above 0, also touch one word in each 4 KiB page of this "
+                 "many bytes of other memory and jump through each 4 KiB page of as much generated "
+                 "code (x86-64), outside huge pages: evicts the data and instruction TLBs, as a "
+                 "real step does (Note [TLB eviction]); K, M or G suffix; e.g. 32M (default 0: off)")
+      ->allow_extra_args(false);
   app.add_option("--json", json_path, "also write the results, every run included, as JSON to this file");
   app.add_flag("--quiet,-q", quiet, "no progress on stderr");
   try {
@@ -621,6 +748,18 @@ int main(int argc, char** argv) {
     if (std::find(evicts.begin(), evicts.end(), *bytes) == evicts.end()) {
       evicts.push_back(*bytes);
     }
+  }
+
+  const std::optional<std::size_t> evict_pages = parse_bytes(evict_pages_text);
+  if (!evict_pages) {
+    return fail("--evict-pages: '" + evict_pages_text + "' is not a byte count of at most 1G "
+                "(examples: 0, 8M, 32M)");
+  }
+  PageToucher pages;
+  std::string pages_note;
+  if (*evict_pages >= PageToucher::kPage &&
+      !pages.map(*evict_pages / PageToucher::kPage * PageToucher::kPage, pages_note)) {
+    return fail("--evict-pages: " + pages_note);
   }
 
   // The rows; every one is built once here, so that a bad name or setting stops before any work.
@@ -706,7 +845,7 @@ int main(int argc, char** argv) {
   const auto clock_start = std::chrono::steady_clock::now();
   const std::uint64_t ticks_start = ticks();
   const std::uint64_t overhead = timer_overhead_ticks();
-  Evictor evictor(*std::max_element(evicts.begin(), evicts.end()), !no_iflush);
+  Evictor evictor(*std::max_element(evicts.begin(), evicts.end()), !no_iflush, pages);
   // Per row and evict size; ticks until the calibration below turns them into ns.
   std::vector<std::vector<Cell>> cells(rows.size(), std::vector<Cell>(evicts.size()));
   const bool progress = !quiet && isatty(STDERR_FILENO) != 0;
@@ -778,6 +917,13 @@ int main(int argc, char** argv) {
               evictor.icache_flush() ? ", 64 KiB of code run (L1i)"
                                      : (no_iflush ? " (no L1i flush: --no-iflush)"
                                                   : " (no L1i flush on this architecture)"));
+  if (pages.active()) {
+    std::printf("TLB eviction (--evict-pages %s): one store per 4 KiB page of %s of data%s%s%s; "
+                "transparent huge pages on this machine: %s\n",
+                evict_pages_text.c_str(), short_bytes(*evict_pages).c_str(),
+                pages.code() ? ", one jump per 4 KiB page of as much code" : "",
+                pages_note.empty() ? "" : " -- ", pages_note.c_str(), thp_mode().c_str());
+  }
 #if defined(__x86_64__)
   std::printf("timer: %s, TSC %.3f GHz, overhead %.1f ns per measurement (subtracted)\n",
               kTimerName, 1.0 / ns_per_tick, static_cast<double>(overhead) * ns_per_tick);
@@ -785,6 +931,13 @@ int main(int argc, char** argv) {
   std::printf("timer: %s, overhead %.1f ns per measurement (subtracted)\n", kTimerName,
               static_cast<double>(overhead) * ns_per_tick);
 #endif
+  {
+    // Note [Bookkeeping on few pages] (hot_pages.h): where the rows' bookkeeping lived.
+    const hot::Usage u = hot::usage();
+    std::printf("bookkeeping (CACHEALLOC_HOT_PAGES=%s): %zu region%s of 2 MiB, %s on huge pages\n",
+                hot::mode_name(u.mode), u.regions, u.regions == 1 ? "" : "s",
+                u.huge_bytes_known ? short_bytes(u.huge_bytes).c_str() : "unknown");
+  }
   std::printf("note: CPU timings of this machine (simulated device, no GPU call); ns per call, "
               "median and min of the runs' means\n");
   std::size_t conf_width = 6;
@@ -825,6 +978,14 @@ int main(int argc, char** argv) {
     j["measured_passes"] = passes;
     j["repeat"] = repeat;
     j["icache_flush"] = evictor.icache_flush();
+    j["evict_pages_bytes"] = pages.active() ? *evict_pages : 0;
+    j["evict_pages_code"] = pages.code();
+    j["transparent_hugepage"] = thp_mode();
+    {
+      const hot::Usage u = hot::usage();
+      j["hot_pages"] = {{"mode", hot::mode_name(u.mode)}, {"regions", u.regions},
+                        {"huge_bytes", u.huge_bytes_known ? nlohmann::json(u.huge_bytes) : nlohmann::json()}};
+    }
     j["timer"] = kTimerName;
     j["ns_per_tick"] = ns_per_tick;
     j["timer_overhead_ns"] = static_cast<double>(overhead) * ns_per_tick;

@@ -283,7 +283,7 @@ void DefragEngine::wait_until(std::uint32_t cls, std::uint64_t epoch) {
 }
 
 void DefragEngine::process_deferred() noexcept {
-  std::vector<Node*> pairs;
+  NodeList pairs;
   pairs.swap(deferred_);  // merge_around() may defer pairs again
   for (Node* n : pairs) {
     n->deferred = false;
@@ -607,8 +607,11 @@ bool DefragEngine::keep_recent(Node* n) noexcept {
   }
   StreamState& st = streams_[n->cls];
   if (!st.recent) {
-    st.recent.reset(new (std::nothrow) Node*[kRecentSlots]());
-    if (!st.recent) {
+    try {
+      auto** heads = static_cast<Node**>(hot::allocate(kRecentSlots * sizeof(Node*), alignof(Node*)));
+      std::fill_n(heads, kRecentSlots, nullptr);
+      st.recent.reset(heads);
+    } catch (const std::bad_alloc&) {
       return false;
     }
   }

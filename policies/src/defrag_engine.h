@@ -4,6 +4,7 @@
 // in the Notes at the top of defrag.cpp.
 #pragma once
 
+#include <cachealloc/hot_pages.h>
 #include <cachealloc/ordered_index.h>
 #include <cachealloc/policies/defrag.h>
 
@@ -205,23 +206,35 @@ struct Fence {
   EventId event;
 };
 
-/// A stream that allocated here (its index is the "class" stored in ranges).
-struct StreamState {
-  StreamId id = 0;
-  std::deque<Fence> fences;  // events recorded on the stream, oldest first
-  std::uint64_t completed = 0;  // every epoch <= completed finished on this stream
-  bool dirty = false;           // freed something during the open epoch
-  /// Note [Recently freed small blocks in defrag]: one LIFO per 512-byte size up to
-  /// kRecentMaxSize, linked through Node::age_next; allocated at the stream's first such free.
-  std::unique_ptr<Node*[]> recent;
-};
-
 /// Note [Recently freed small blocks in defrag] (defrag.cpp): the largest size kept (the bytes
 /// kept over all streams are the keep_small_mb setting).
 inline constexpr std::size_t kRecentMaxSize = std::size_t{1} << 20;
 inline constexpr std::size_t kRecentSlots = kRecentMaxSize / kAlignment + 1;
 
-class alignas(64) DefragEngine {
+/// Frees the recent lists' heads (Note [Bookkeeping on few pages], hot_pages.h).
+struct RecentDelete {
+  void operator()(Node** p) const noexcept {
+    hot::deallocate(p, kRecentSlots * sizeof(Node*), alignof(Node*));
+  }
+};
+
+/// A stream that allocated here (its index is the "class" stored in ranges).
+struct StreamState {
+  StreamId id = 0;
+  std::deque<Fence, hot::Allocator<Fence>> fences;  // events recorded on the stream, oldest first
+  std::uint64_t completed = 0;  // every epoch <= completed finished on this stream
+  bool dirty = false;           // freed something during the open epoch
+  /// Note [Recently freed small blocks in defrag]: one LIFO per 512-byte size up to
+  /// kRecentMaxSize, linked through Node::age_next; allocated at the stream's first such free.
+  std::unique_ptr<Node*[], RecentDelete> recent;
+};
+
+
+/// Lists of nodes, on the allocator's regions (Note [Bookkeeping on few pages], hot_pages.h).
+using NodeList = std::vector<Node*, hot::Allocator<Node*>>;
+
+/// Made with `new`, it lives on the regions too (hot::Object).
+class alignas(64) DefragEngine : public hot::Object {
  public:
   DefragEngine(DeviceBackend& backend, const DefragSettings& settings);
   ~DefragEngine();
@@ -506,15 +519,15 @@ class alignas(64) DefragEngine {
   Node* age_head_ = nullptr;
   Node* age_tail_ = nullptr;
   std::uint64_t window_allocations_ = 0;
-  std::vector<Node*> node_free_;
-  std::vector<StreamState> streams_;  // few streams: linear search
-  std::vector<Node*> deferred_;  // left halves of unmerged mapped neighbours
-  std::vector<std::uint32_t> dirty_list_;
+  NodeList node_free_;
+  std::vector<StreamState, hot::Allocator<StreamState>> streams_;  // few streams: linear search
+  NodeList deferred_;  // left halves of unmerged mapped neighbours
+  std::vector<std::uint32_t, hot::Allocator<std::uint32_t>> dirty_list_;
   Index mapped_;
 
   // ---- colder: growth, moves, other indexes, settings ----
   Index unmapped_;
-  std::deque<Node> node_storage_;
+  std::deque<Node, hot::Allocator<Node>> node_storage_;
   std::vector<std::unique_ptr<Arena>> arenas_;
   DefragSettings settings_;
   std::size_t va_reserve_;

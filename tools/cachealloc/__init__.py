@@ -488,6 +488,22 @@ def dump_snapshot(path: Union[str, os.PathLike]) -> None:
     _check(_lib.load().cachealloc_dump_snapshot(os.fsencode(os.fspath(path))))
 
 
+def hot_pages() -> dict[str, Any]:
+    """Where the allocator keeps its own bookkeeping (Note [Bookkeeping on few pages],
+    allocator/include/cachealloc/hot_pages.h): ``mode`` (CACHEALLOC_HOT_PAGES: ``huge``,
+    ``small`` or ``off``), ``regions`` of ``region_bytes`` each, ``bytes_in_use``,
+    ``bytes_carved``, ``fallback_allocations`` (requests served by the heap), and ``huge_bytes``,
+    how much of the regions the kernel backs with huge pages (from /proc/self/smaps; None where it
+    cannot be read). Reads /proc/self/smaps: milliseconds, for diagnostics. Raises RuntimeError
+    when the loaded plugin predates it."""
+    from . import _lib
+
+    lib = _lib.load()
+    if not hasattr(lib, "cachealloc_hot_pages_json"):
+        raise RuntimeError(f"cachealloc: the plugin at {_lib.loaded_path()} predates hot_pages()")
+    return dict(_lib.read_json(lib.cachealloc_hot_pages_json))
+
+
 def policies() -> list[dict[str, Any]]:
     """The registered policies: name, summary, backend, replay_only, config_keys."""
     from . import _lib

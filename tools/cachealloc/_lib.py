@@ -157,6 +157,11 @@ _TORCH_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "cachealloc_torch_version": (ctypes.c_char_p, []),
     "cachealloc_torch_allocator_ns": (ctypes.c_uint64, [ctypes.c_int]),
 }
+# Entry points added after the first release; optional, so that an older plugin (an A/B against
+# a previous build through CACHEALLOC_LIBRARY) still loads. hot_pages() says when one is missing.
+_PLUGIN_OPTIONAL_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
+    "cachealloc_hot_pages_json": (ctypes.c_int64, [ctypes.c_char_p, ctypes.c_size_t]),
+}
 # The timing wrapper's entry points (cachealloc.time_native()); optional, so that a library built
 # before they existed still serves enable(full=True). has_time_native() says whether they are there.
 _TORCH_TIMING_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
@@ -187,6 +192,7 @@ def load() -> ctypes.CDLL:
             path = find_library()
             lib = ctypes.CDLL(path)
             _declare(lib, _PLUGIN_SIGNATURES)
+            _declare(lib, _PLUGIN_OPTIONAL_SIGNATURES, optional=True)
             _lib, _lib_path = lib, path
         return _lib
 

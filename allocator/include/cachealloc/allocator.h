@@ -260,6 +260,7 @@
 #include <cachealloc/backend.h>
 #include <cachealloc/config.h>
 #include <cachealloc/errors.h>
+#include <cachealloc/hot_pages.h>
 #include <cachealloc/pointer_map.h>
 #include <cachealloc/policy.h>
 #include <cachealloc/spin_mutex.h>
@@ -358,8 +359,10 @@ inline constexpr std::size_t kMaxRequestBytes = std::size_t{1} << 48;
 #define CACHEALLOC_SLOW_PATH
 #endif
 
+// Made with `new`, the front end lives on the allocator's regions (hot::Object, Note
+// [Bookkeeping on few pages], hot_pages.h), beside its pointer map and the policy's nodes.
 template <Policy P>
-class alignas(64) CachingAllocator final : public DeviceAllocator {
+class alignas(64) CachingAllocator final : public DeviceAllocator, public hot::Object {
   static constexpr std::uint16_t kDefaultPollInterval = 1;
  public:
   /// Takes ownership of `backend`; the policy takes its keys from `config`.

@@ -35,6 +35,8 @@
 #include <type_traits>
 #include <vector>
 
+#include <cachealloc/hot_pages.h>
+
 namespace cachealloc {
 
 template <class K, class Less = std::less<K>, int LeafCap = 16, int InnerCap = 32>
@@ -569,12 +571,13 @@ class OrderedIndex {
   }
 
   [[nodiscard]] std::size_t leaf_count() const noexcept { return leaf_store_.size() - free_leaf_count_; }
+  // Note [Bookkeeping on few pages] (hot_pages.h): nodes come from the allocator's regions.
   Leaf* make_leaf() {
-    leaf_store_.push_back(std::make_unique<Leaf>());
+    leaf_store_.push_back(hot::make<Leaf>());
     return leaf_store_.back().get();
   }
   Inner* make_inner() {
-    inner_store_.push_back(std::make_unique<Inner>());
+    inner_store_.push_back(hot::make<Inner>());
     return inner_store_.back().get();
   }
   void push_leaf(Leaf* l) noexcept {
@@ -614,8 +617,8 @@ class OrderedIndex {
   Leaf* tail_ = nullptr;  // last leaf
   int height_ = 0;        // inner levels above the leaves
   std::size_t size_ = 0;
-  std::vector<std::unique_ptr<Leaf>> leaf_store_;
-  std::vector<std::unique_ptr<Inner>> inner_store_;
+  std::vector<hot::Ptr<Leaf>> leaf_store_;
+  std::vector<hot::Ptr<Inner>> inner_store_;
   Leaf* free_leaves_ = nullptr;
   Inner* free_inners_ = nullptr;
   std::size_t free_leaf_count_ = 0;

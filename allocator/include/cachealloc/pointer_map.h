@@ -12,6 +12,8 @@
 #include <utility>
 #include <vector>
 
+#include <cachealloc/hot_pages.h>
+
 namespace cachealloc {
 
 template <class V>
@@ -143,7 +145,7 @@ class PointerMap {
   }
 
   void grow() {
-    std::vector<Slot> old(slots_.size() * 2);
+    Slots old(slots_.size() * 2);
     old.swap(slots_);
     for (Slot& s : old) {
       if (s.key != 0) {
@@ -152,7 +154,9 @@ class PointerMap {
     }
   }
 
-  std::vector<Slot> slots_;
+  // Note [Bookkeeping on few pages] (hot_pages.h): a lookup touches a random slot.
+  using Slots = std::vector<Slot, hot::Allocator<Slot>>;
+  Slots slots_;
   std::size_t size_ = 0;
 };
 

@@ -3,6 +3,7 @@
 // sequential list instead of the policy.
 #pragma once
 
+#include <cachealloc/hot_pages.h>
 #include <cachealloc/types.h>
 
 #include <array>
@@ -121,7 +122,7 @@ class MemoLearner {
   std::uint64_t differed_ = 0;     // tracking: calls that differed since it began
   std::uint64_t mapping_seen_ = 0; // tracking: mapping calls at the call before
   StreamId stream_ = 0;            // tracking: the stream of the call before
-  std::vector<Last> last_;         // kSlots, allocated at the first sampled call
+  std::vector<Last, hot::Allocator<Last>> last_;  // kSlots, allocated at the first sampled call
   std::vector<MemoOp> log_;        // tracking: the ring of the last P calls
   Outcomes outcomes_;
 };
