@@ -28,10 +28,26 @@ struct FreeBlock {
   FreeBlock* next;
 };
 
+#if defined(__SANITIZE_ADDRESS__)
+#define CACHEALLOC_HOT_PAGES_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define CACHEALLOC_HOT_PAGES_ASAN 1
+#endif
+#endif
+
+/// Under AddressSanitizer the regions would hide the bookkeeping's overflows from it (no redzones
+/// between their blocks): the heap by default there.
+#ifdef CACHEALLOC_HOT_PAGES_ASAN
+constexpr Mode kDefaultMode = Mode::off;
+#else
+constexpr Mode kDefaultMode = Mode::huge;
+#endif
+
 Mode read_mode() noexcept {
   const char* v = std::getenv("CACHEALLOC_HOT_PAGES");
   if (v == nullptr || *v == '\0') {
-    return Mode::huge;
+    return kDefaultMode;
   }
   const std::string_view s(v);
   if (s == "huge") {
@@ -44,10 +60,10 @@ Mode read_mode() noexcept {
     return Mode::off;
   }
   std::fprintf(stderr,
-               "cachealloc: CACHEALLOC_HOT_PAGES=%s is not one of huge, small, off; using huge "
+               "cachealloc: CACHEALLOC_HOT_PAGES=%s is not one of huge, small, off; using %s "
                "(Note [Bookkeeping on few pages], hot_pages.h)\n",
-               v);
-  return Mode::huge;
+               v, kDefaultMode == Mode::huge ? "huge" : "off");
+  return kDefaultMode;
 }
 
 class Regions {

@@ -24,7 +24,9 @@
 //
 // CACHEALLOC_HOT_PAGES (read once, at the first allocation): `huge` (default) as above; `small`
 // the same regions without the advice (packed 4 KiB pages); `off` every request from
-// ::operator new, as before session 54. Unknown values are reported on stderr and mean `huge`.
+// ::operator new, as before session 54. Unknown values are reported on stderr and mean the
+// default. Under AddressSanitizer the default is `off`, so that it keeps its redzones around the
+// bookkeeping's blocks.
 // Thread-safe: one lock, taken only when a container grows or a node is made, never on an
 // allocator call's common path.
 #pragma once
