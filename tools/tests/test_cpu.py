@@ -144,6 +144,41 @@ def test_policies_are_described():
         assert isinstance(p["config_keys"], list) and p["summary"]
 
 
+def test_hot_pages_describes_the_regions():
+    # Note [Bookkeeping on few pages] (hot_pages.h): the diagnostic's keys and types.
+    lib = _need_capi()
+    r = run_python("import cachealloc, json; print(json.dumps(cachealloc.hot_pages()))", CACHEALLOC_LIBRARY=lib)
+    assert r.returncode == 0, r.stderr
+    hp = json.loads(r.stdout)
+    assert hp["mode"] in ("huge", "small", "off")
+    assert hp["region_bytes"] == 2 << 20
+    for key in ("regions", "bytes_in_use", "bytes_carved", "fallback_allocations"):
+        assert isinstance(hp[key], int) and hp[key] >= 0, key
+    assert hp["bytes_in_use"] <= hp["bytes_carved"] <= hp["regions"] * hp["region_bytes"]
+    assert hp["huge_bytes"] is None or 0 <= hp["huge_bytes"] <= hp["regions"] * hp["region_bytes"]
+    r = run_python("import cachealloc; print(cachealloc.hot_pages()['mode'])",
+                   CACHEALLOC_LIBRARY=lib, CACHEALLOC_HOT_PAGES="off")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "off"
+
+
+def test_hot_pages_says_when_the_plugin_predates_it():
+    # An A/B against an older plugin (CACHEALLOC_LIBRARY) loads without the entry point.
+    code = (
+        "import cachealloc, cachealloc._lib as L\n"
+        "class Old: pass\n"
+        "L.load = lambda: Old()\n"
+        "L.loaded_path = lambda: '/old/libcachealloc_plugin.so'\n"
+        "try:\n"
+        "    cachealloc.hot_pages()\n"
+        "except RuntimeError as e:\n"
+        "    print('REFUSED', e)\n"
+    )
+    r = run_python(code)
+    assert r.returncode == 0, r.stderr
+    assert "REFUSED" in r.stdout and "predates hot_pages()" in r.stdout and "/old/" in r.stdout
+
+
 # ---- the startup hook -----------------------------------------------------------------------
 
 def test_hook_is_off_without_conf():
