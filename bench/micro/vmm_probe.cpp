@@ -140,6 +140,20 @@
 // series, 8,228 against 8,329 under copies. Under 8 MiB copies one page and 16 pages cost the
 // same (1,041 / 1,033 us): per handle, not per page. So policy defrag's fresh_va (maps only at
 // fresh addresses) and backend cuda_vmm's map_threads (access calls from several threads) were removed.
+//
+// Note [Device calls behind a running kernel]
+// Session 54 (bench/results/defrag_session54_2026-12-07.md) found the e2e pipeline's steps that
+// made a device call 0.56-4.4 ms longer than quiet steps of the same batch size, far more than
+// the calls' own 70 us: as if a map, an unmap, a create or a release waited for the work queued
+// on the GPU, and the step lost the overlap of host and GPU. behind_kernel asks it directly: a
+// spin kernel of about 20 ms is queued (on the legacy default stream, where PyTorch's main stream
+// is, then on a non-blocking stream), then this thread times cuMemMap + cuMemSetAccess of a page,
+// its cuMemUnmap, and cuMemCreate and cuMemRelease of another, and after each call asks whether
+// the kernel still runs (cudaStreamQuery). "PROBE behind_kernel_<stream>: map+access median <us>,
+// unmap <us>, create <us>, release <us> over <k>; the kernel still ran after the map <a>/<k>,
+// the unmap <b>/<k>, the create <c>/<k>, the release <d>/<k>", and the same calls idle
+// (behind_kernel_idle). A call that waits takes about what was left of the 20 ms, and the kernel
+// has finished after it. `cachealloc-vmm-probe behind_kernel` asks only this.
 #include "../../allocator/cuda/src/driver_api.h"
 
 #include <cuda_runtime_api.h>
@@ -152,6 +166,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <future>
 #include <thread>
@@ -757,7 +772,94 @@ std::string copy_before_map(Probe& p, CUdeviceptr va, std::size_t bytes, CUmemGe
 
 }  // namespace
 
-int main() {
+#if CACHEALLOC_PROBE_KERNELS
+/// Note [Device calls behind a running kernel]. `load`: "idle" (no kernel), "legacy" (the legacy
+/// default stream) or "nonblocking" (a stream of its own).
+void calls_behind_kernel(Probe& p, const char* load) {
+  const bool idle = std::strcmp(load, "idle") == 0;
+  int clock_khz = 0;
+  if (cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0) != cudaSuccess || clock_khz <= 0) {
+    clock_khz = 1'500'000;
+  }
+  const long long cycles = static_cast<long long>(clock_khz) * 20;  // about 20 ms
+  cudaStream_t stream = nullptr;  // the legacy default stream
+  if (std::strcmp(load, "nonblocking") == 0 && cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) {
+    std::printf("PROBE behind_kernel_%s: not measured (no stream)\n", load);
+    return;
+  }
+  CUdeviceptr va = 0;
+  CUmemGenericAllocationHandle h = 0;
+  p.must(p.api.mem_address_reserve(&va, p.page, 0, 0, 0), "cuMemAddressReserve");
+  p.must(p.api.mem_create(&h, p.page, &p.prop, 0), "cuMemCreate");
+  std::vector<double> map_us;
+  std::vector<double> unmap_us;
+  std::vector<double> create_us;
+  std::vector<double> release_us;
+  int running[4] = {0, 0, 0, 0};
+  const auto still_running = [&] { return !idle && cudaStreamQuery(stream) == cudaErrorNotReady; };
+  constexpr int kRounds = 8;
+  bool launched = true;
+  for (int round = 0; round < kRounds && launched; ++round) {
+    if (!idle) {
+      launched = cachealloc::gpu_test::launch_spin(cycles, stream) == cudaSuccess;
+      if (!launched) {
+        break;
+      }
+      // The kernel must have started (or be queued) before the calls: give the launch 1 ms.
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    auto t0 = std::chrono::steady_clock::now();
+    p.must(p.map(va, p.page, 0, h), "cuMemMap");
+    map_us.push_back(since_us(t0));
+    running[0] += still_running() ? 1 : 0;
+    t0 = std::chrono::steady_clock::now();
+    p.must(p.api.mem_unmap(va, p.page), "cuMemUnmap");
+    unmap_us.push_back(since_us(t0));
+    running[1] += still_running() ? 1 : 0;
+    CUmemGenericAllocationHandle other = 0;
+    t0 = std::chrono::steady_clock::now();
+    p.must(p.api.mem_create(&other, p.page, &p.prop, 0), "cuMemCreate");
+    create_us.push_back(since_us(t0));
+    running[2] += still_running() ? 1 : 0;
+    t0 = std::chrono::steady_clock::now();
+    p.must(p.api.mem_release(other), "cuMemRelease");
+    release_us.push_back(since_us(t0));
+    running[3] += still_running() ? 1 : 0;
+    if (!idle && cudaStreamSynchronize(stream) != cudaSuccess) {
+      launched = false;
+    }
+  }
+  if (map_us.empty() || !launched) {
+    std::printf("PROBE behind_kernel_%s: not measured (the spin kernel failed: %s)\n", load,
+                cudaGetErrorString(cudaGetLastError()));
+  } else if (idle) {
+    std::printf("PROBE behind_kernel_idle: map+access median %.1f us, unmap %.1f us, create %.1f us, "
+                "release %.1f us over %zu\n",
+                median(map_us), median(unmap_us), median(create_us), median(release_us), map_us.size());
+  } else {
+    std::printf("PROBE behind_kernel_%s: map+access median %.1f us, unmap %.1f us, create %.1f us, "
+                "release %.1f us over %zu; the kernel (%.0f ms) still ran after the map %d/%zu, the unmap "
+                "%d/%zu, the create %d/%zu, the release %d/%zu\n",
+                load, median(map_us), median(unmap_us), median(create_us), median(release_us), map_us.size(),
+                static_cast<double>(cycles) / clock_khz, running[0], map_us.size(), running[1], map_us.size(),
+                running[2], map_us.size(), running[3], map_us.size());
+  }
+  p.must(p.api.mem_release(h), "cuMemRelease");
+  p.must(p.api.mem_address_free(va, p.page), "cuMemAddressFree");
+  if (stream != nullptr) {
+    cudaStreamDestroy(stream);
+  }
+}
+#endif
+
+int main(int argc, char** argv) {
+  const bool only_behind_kernel = argc > 1 && std::strcmp(argv[1], "behind_kernel") == 0;
+  if (argc > 1 && !only_behind_kernel) {
+    std::printf("usage: cachealloc-vmm-probe [behind_kernel]\n"
+                "  without an argument: every question (see the notes in bench/micro/vmm_probe.cpp)\n"
+                "  behind_kernel: only Note [Device calls behind a running kernel]\n");
+    return 2;
+  }
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     std::printf("cachealloc-vmm-probe: no GPU visible, nothing probed (skipped)\n");
@@ -776,6 +878,16 @@ int main() {
     p.must(api.mem_get_allocation_granularity(&p.page, &p.prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
            "cuMemGetAllocationGranularity");
     std::printf("granularity %zu bytes\n", p.page);
+    if (only_behind_kernel) {
+#if CACHEALLOC_PROBE_KERNELS
+      for (const char* load : {"idle", "legacy", "nonblocking"}) {
+        calls_behind_kernel(p, load);
+      }
+#else
+      std::printf("PROBE behind_kernel: not built (the GPU test kernels were not configured)\n");
+#endif
+      return 0;
+    }
     const std::size_t n = 4;
     CUdeviceptr a = 0;
     CUdeviceptr b = 0;
@@ -845,6 +957,10 @@ int main() {
       map_freshness(p, load);
     }
 #if CACHEALLOC_PROBE_KERNELS
+    // Note [Device calls behind a running kernel]
+    for (const char* load : {"idle", "legacy", "nonblocking"}) {
+      calls_behind_kernel(p, load);
+    }
     // Note [Mapping behind a stream wait]: 16 pages, a fresh handle, five rounds each.
     {
       const std::size_t m = 16;
