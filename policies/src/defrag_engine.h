@@ -234,7 +234,7 @@ struct StreamState {
 using NodeList = std::vector<Node*, hot::Allocator<Node*>>;
 
 /// Made with `new`, it lives on the regions too (hot::Object).
-class alignas(64) DefragEngine : public hot::Object {
+class alignas(64) DefragEngine : public hot::Object<DefragEngine> {
  public:
   DefragEngine(DeviceBackend& backend, const DefragSettings& settings);
   ~DefragEngine();

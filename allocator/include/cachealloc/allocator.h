@@ -362,7 +362,7 @@ inline constexpr std::size_t kMaxRequestBytes = std::size_t{1} << 48;
 // Made with `new`, the front end lives on the allocator's regions (hot::Object, Note
 // [Bookkeeping on few pages], hot_pages.h), beside its pointer map and the policy's nodes.
 template <Policy P>
-class alignas(64) CachingAllocator final : public DeviceAllocator, public hot::Object {
+class alignas(64) CachingAllocator final : public DeviceAllocator, public hot::Object<CachingAllocator<P>> {
   static constexpr std::uint16_t kDefaultPollInterval = 1;
  public:
   /// Takes ownership of `backend`; the policy takes its keys from `config`.
