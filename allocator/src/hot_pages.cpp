@@ -95,10 +95,11 @@ class Regions {
       return;
     }
     if (!owns(p)) {
+      // The unsized forms: clang before 19 does not declare the sized ones by default.
       if (align > __STDCPP_DEFAULT_NEW_ALIGNMENT__) {
-        ::operator delete(p, bytes, std::align_val_t(align));
+        ::operator delete(p, std::align_val_t(align));
       } else {
-        ::operator delete(p, bytes);
+        ::operator delete(p);
       }
       return;
     }
