@@ -894,8 +894,11 @@ int main(int argc, char** argv) {
     }
   }
 
-  // The table.
+  // The table. Note [Bookkeeping on few pages] (hot_pages.h): where the rows' bookkeeping lived,
+  // read once (it parses /proc/self/smaps) for the header and the JSON.
   const std::string cpu = describe_cpu();
+  const hot::Usage bookkeeping = hot::usage();
+  const std::string thp = thp_mode();
   std::printf("cachealloc-cold-replay on %s\n", cpu.c_str());
   if (synthetic) {
     std::printf("workload synthetic: %s allocs and %s frees per pass (%s of them at the end of "
@@ -922,7 +925,7 @@ int main(int argc, char** argv) {
                 "transparent huge pages on this machine: %s\n",
                 evict_pages_text.c_str(), short_bytes(*evict_pages).c_str(),
                 pages.code() ? ", one jump per 4 KiB page of as much code" : "",
-                pages_note.empty() ? "" : " -- ", pages_note.c_str(), thp_mode().c_str());
+                pages_note.empty() ? "" : " -- ", pages_note.c_str(), thp.c_str());
   }
 #if defined(__x86_64__)
   std::printf("timer: %s, TSC %.3f GHz, overhead %.1f ns per measurement (subtracted)\n",
@@ -931,13 +934,9 @@ int main(int argc, char** argv) {
   std::printf("timer: %s, overhead %.1f ns per measurement (subtracted)\n", kTimerName,
               static_cast<double>(overhead) * ns_per_tick);
 #endif
-  {
-    // Note [Bookkeeping on few pages] (hot_pages.h): where the rows' bookkeeping lived.
-    const hot::Usage u = hot::usage();
-    std::printf("bookkeeping (CACHEALLOC_HOT_PAGES=%s): %zu region%s of 2 MiB, %s on huge pages\n",
-                hot::mode_name(u.mode), u.regions, u.regions == 1 ? "" : "s",
-                u.huge_bytes_known ? short_bytes(u.huge_bytes).c_str() : "unknown");
-  }
+  std::printf("bookkeeping (CACHEALLOC_HOT_PAGES=%s): %zu region%s of 2 MiB, %s on huge pages\n",
+              hot::mode_name(bookkeeping.mode), bookkeeping.regions, bookkeeping.regions == 1 ? "" : "s",
+              bookkeeping.huge_bytes_known ? short_bytes(bookkeeping.huge_bytes).c_str() : "unknown");
   std::printf("note: CPU timings of this machine (simulated device, no GPU call); ns per call, "
               "median and min of the runs' means\n");
   std::size_t conf_width = 6;
@@ -980,12 +979,11 @@ int main(int argc, char** argv) {
     j["icache_flush"] = evictor.icache_flush();
     j["evict_pages_bytes"] = pages.active() ? *evict_pages : 0;
     j["evict_pages_code"] = pages.code();
-    j["transparent_hugepage"] = thp_mode();
-    {
-      const hot::Usage u = hot::usage();
-      j["hot_pages"] = {{"mode", hot::mode_name(u.mode)}, {"regions", u.regions},
-                        {"huge_bytes", u.huge_bytes_known ? nlohmann::json(u.huge_bytes) : nlohmann::json()}};
-    }
+    j["transparent_hugepage"] = thp;
+    j["hot_pages"] = {{"mode", hot::mode_name(bookkeeping.mode)},
+                      {"regions", bookkeeping.regions},
+                      {"huge_bytes", bookkeeping.huge_bytes_known ? nlohmann::json(bookkeeping.huge_bytes)
+                                                                  : nlohmann::json()}};
     j["timer"] = kTimerName;
     j["ns_per_tick"] = ns_per_tick;
     j["timer_overhead_ns"] = static_cast<double>(overhead) * ns_per_tick;

@@ -15,9 +15,10 @@
 //
 // So that bookkeeping comes from here: regions of 2 MiB, aligned to 2 MiB and advised
 // MADV_HUGEPAGE, carved into size classes (multiples of 64 bytes up to 4 KiB, powers of two from
-// 4 KiB to 1 MiB) with a free list per class. Where the kernel grants a huge page (transparent huge pages
-// "always", or "madvise" as on the GPU hosts), one TLB entry covers all of a region; where it does
-// not, the bookkeeping is still packed on a few small pages instead of spread over the heap.
+// 4 KiB to 1 MiB) with a free list per class. Where the kernel grants a huge page (transparent
+// huge pages "always", or "madvise" as on the GPU hosts), one TLB entry covers all of a region;
+// where it does not, the bookkeeping is still packed on a few small pages instead of spread over
+// the heap.
 // Blocks are never returned to the kernel (a job's bookkeeping stays near its peak anyway); a
 // request above 1 MiB, or one that finds no room once kMaxRegions are in use, goes to
 // ::operator new, and deallocate() tells the two apart by address.
@@ -64,8 +65,8 @@ struct Usage {
   std::size_t huge_bytes = 0;     ///< of the regions, backed by huge pages (/proc/self/smaps)
   bool huge_bytes_known = false;  ///< whether /proc/self/smaps could be read
 };
-/// A snapshot, with the regions' huge-page backing read from /proc/self/smaps (a few hundred
-/// microseconds: for statistics, not for a hot path).
+/// A snapshot, with the regions' huge-page backing read from /proc/self/smaps (up to milliseconds
+/// in a process with many mappings: for diagnostics, not for a hot path or memory_stats).
 [[nodiscard]] Usage usage();
 
 /// Largest request served from a region.
